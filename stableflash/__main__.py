@@ -1,0 +1,3 @@
+from stableflash.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,8 @@
+"""Flash attention with controllable numerics: the public function, policies, stabilizers, stats."""
+
+from stableflash.attention.api import BACKENDS, flash_attention
+from stableflash.attention.precision import PRESETS, SITES, Precision, resolve
+from stableflash.attention.stabilize import SFA, ClampPbar
+from stableflash.attention.stats import AttentionStats
+
+__all__ = ["BACKENDS", "PRESETS", "SITES", "AttentionStats", "ClampPbar", "Precision", "SFA", "flash_attention", "resolve"]

@@ -1,0 +1,216 @@
+"""`Precision`: where flash attention rounds, as data.
+
+Every intermediate of the tiled algorithm is a *site*; a policy names the
+format each site's result is rounded to. Operations compute in `compute`
+(fp32, or fp64 for the fp64 reference) and round once, as torch's kernels do.
+
+Presets (see `PRESETS` and docs/precision.md):
+- `fp64`, `fp32`: everything in that format (the high-precision references);
+- `fa2`: production FlashAttention-2: fp32 statistics and accumulators, P̄ cast
+  to the input dtype before P̄V, O rounded once at the end, fp32 log-sum-exp;
+- `bf16`: every tensor in bf16, each op rounding its own result, 512x512 tiles;
+- `paper`: the analysed implementation as it runs under CUDA autocast(bf16);
+  the site formats were traced on an H200 (docs/precision.md gives the table
+  and `scripts/trace_paper_dtypes.py` the command).
+
+The isolation knobs of the seed's section 3.4.2 are methods returning a new
+policy: `tiling_off()`, `with_delta(...)`, `with_pv_fp32()`, `with_o_fp32()`,
+`with_heads(...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+import torch
+
+from stableflash.numerics.formats import get_format
+from stableflash.numerics.rounding import ROUNDING_MODES
+
+DeltaFormula = Literal["do_o", "dp_p", "do_o_recomputed"]
+DELTA_FORMULAS = ("do_o", "dp_p", "do_o_recomputed")
+
+# The sites, in the order the algorithm meets them, with what each one is.
+SITES = {
+    "qk": "S before scaling: the QK^T matmul result",
+    "scores": "S = (QK^T) * scale",
+    "row_max": "tile row max and running max m",
+    "pbar": "P̄ = exp(S - m), as the tile sum and the statistics see it",
+    "pbar_operand": "P̄ as the P̄V matmul reads it (FA2 casts it to the input dtype)",
+    "tile_sum": "rowsum of P̄ over one tile",
+    "pv": "P̄V, the tile's matmul result",
+    "rescale": "c = exp(m_old - m_new)",
+    "row_sum": "running row sum l = c*l + tile sum",
+    "acc": "running output accumulator O = O*c + P̄V",
+    "out": "final O = O / l (what the backward's δ reads)",
+    "lse": "saved log-sum-exp, log(l) + m",
+    "p": "backward probabilities P = exp(S - lse)",
+    "p_operand": "P as the dV = P^T dO matmul reads it",
+    "dp": "dP = dO V^T",
+    "delta_terms": "the products dO * O that δ sums",
+    "delta": "δ = rowsum(dO * O) (or the formula `delta_formula` names)",
+    "ds": "dS = P * (dP - δ)",
+    "ds_operand": "dS as the dQ and dK matmuls read it",
+    "dv": "dV accumulator",
+    "dk": "dK accumulator",
+    "dq": "dQ accumulator",
+}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Format of every rounding site of tiled flash attention, plus tiling and knobs.
+
+    A site's value is a format name (`"bf16"`, `"fp32"`, `"fp64"`, `"fp16"`,
+    `"fp8_e4m3"`, `"fp8_e5m2"`) or `"input"`, meaning the dtype of q/k/v.
+    """
+
+    name: str = "custom"
+    compute: str = "fp32"
+    """Format every operation computes in before its result is rounded."""
+    qk: str = "fp32"
+    scores: str = "fp32"
+    row_max: str = "fp32"
+    pbar: str = "fp32"
+    pbar_operand: str = "fp32"
+    tile_sum: str = "fp32"
+    pv: str = "fp32"
+    rescale: str = "fp32"
+    row_sum: str = "fp32"
+    acc: str = "fp32"
+    out: str = "fp32"
+    lse: str = "fp32"
+    p: str = "fp32"
+    p_operand: str = "fp32"
+    dp: str = "fp32"
+    delta_terms: str = "fp32"
+    delta: str = "fp32"
+    ds: str = "fp32"
+    ds_operand: str = "fp32"
+    dv: str = "fp32"
+    dk: str = "fp32"
+    dq: str = "fp32"
+    o_saved: str = "out"
+    """Format of the O the backward reads for δ: `"out"` (the returned O) or a format."""
+    block_m: int | None = 128
+    """Query tile rows; None: one tile (tiling off)."""
+    block_n: int | None = 128
+    """Key tile columns; None: one tile (tiling off)."""
+    tile_sum_clamp: float | None = None
+    """Lower clamp on each tile's rowsum of P̄ (the `bf16` recipe clamps at 1e-10)."""
+    delta_formula: DeltaFormula = "do_o"
+    """`do_o`: rowsum(dO*O); `dp_p`: rowsum(dP*P); `do_o_recomputed`: O recomputed as PV in fp32."""
+    rounding: str = "nearest"
+    """Rounding mode of every site: nearest (ties to even), toward_zero or stochastic."""
+    head_override: tuple[tuple[int, ...], Precision] | None = field(default=None, compare=True)
+    """(heads, policy): these head indices are computed with the second policy."""
+
+    def __post_init__(self):
+        for site in (*SITES, "compute"):
+            value = getattr(self, site)
+            if value != "input":
+                try:
+                    get_format(value)
+                except ValueError:
+                    raise ValueError(
+                        f"Precision.{site}: unknown format {value!r}; expected 'input' or a format name "
+                        "such as 'bf16', 'fp16', 'fp32', 'fp64', 'fp8_e4m3', 'fp8_e5m2'") from None
+        if self.compute not in ("fp32", "fp64"):
+            raise ValueError(f"Precision.compute: expected 'fp32' or 'fp64', got {self.compute!r}")
+        if self.o_saved != "out":
+            get_format(self.o_saved)
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Precision.{name}: expected a positive int or None, got {value!r}")
+        if self.delta_formula not in DELTA_FORMULAS:
+            raise ValueError(f"Precision.delta_formula: expected one of {DELTA_FORMULAS}, got {self.delta_formula!r}")
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(f"Precision.rounding: expected one of {ROUNDING_MODES}, got {self.rounding!r}")
+        if self.head_override is not None:
+            heads, policy = self.head_override
+            if not isinstance(policy, Precision) or any(not isinstance(h, int) or h < 0 for h in heads):
+                raise ValueError("Precision.head_override: expected (tuple of head indices >= 0, Precision)")
+
+    # -- resolution --------------------------------------------------------------
+
+    def dtype(self, site: str, input_dtype: torch.dtype) -> torch.dtype:
+        """torch dtype that `site`'s result is stored in for inputs of `input_dtype`."""
+        value = getattr(self, site)
+        if value == "input":
+            return input_dtype
+        return get_format(value).torch_dtype
+
+    def compute_dtype(self) -> torch.dtype:
+        return get_format(self.compute).torch_dtype
+
+    # -- isolation knobs (each returns a new policy) ------------------------------
+
+    def replace(self, **changes) -> Precision:
+        return dataclasses.replace(self, **changes)
+
+    def tiling_off(self) -> Precision:
+        """One tile per row and column: the seed's 'tiling is not the source' experiment."""
+        return self.replace(name=f"{self.name}+notiling", block_m=None, block_n=None)
+
+    def with_delta(self, formula: DeltaFormula) -> Precision:
+        """δ = rowsum(dO*O) | rowsum(dP*P) | rowsum(dO*O) with O recomputed as PV in fp32."""
+        return self.replace(name=f"{self.name}+delta={formula}", delta_formula=formula)
+
+    def with_pv_fp32(self) -> Precision:
+        """P̄V product and the accumulator it feeds kept in fp32; O rounded once at the end."""
+        return self.replace(name=f"{self.name}+pv32", pv="fp32", acc="fp32")
+
+    def with_o_fp32(self) -> Precision:
+        """O computed and saved in fp32 in the forward, so δ reads O_hp."""
+        return self.replace(name=f"{self.name}+o32", pv="fp32", acc="fp32", row_sum="fp32", o_saved="fp32")
+
+    def with_heads(self, heads, policy: str | Precision) -> Precision:
+        """Compute the given head indices with `policy` (e.g. per-head fp32)."""
+        return self.replace(name=f"{self.name}+heads{sorted(heads)}", head_override=(tuple(sorted(heads)), resolve(policy)))
+
+    def describe(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "head_override"}
+        if self.head_override is not None:
+            out["head_override"] = {"heads": list(self.head_override[0]), "policy": self.head_override[1].describe()}
+        return out
+
+
+def _uniform(name: str, fmt: str, **extra) -> Precision:
+    sites = {site: fmt for site in SITES}
+    return Precision(name=name, compute="fp64" if fmt == "fp64" else "fp32", **sites, **extra)
+
+
+_FA2 = dict(
+    qk="fp32", scores="fp32", row_max="fp32", pbar="fp32", pbar_operand="input", tile_sum="fp32", pv="fp32",
+    rescale="fp32", row_sum="fp32", acc="fp32", out="input", lse="fp32", p="fp32", p_operand="input",
+    dp="fp32", delta_terms="fp32", delta="fp32", ds="fp32", ds_operand="input", dv="fp32", dk="fp32", dq="fp32",
+)
+
+# The `paper` preset: site formats traced from a re-creation of the analysed code
+# under CUDA torch.autocast(bfloat16) on an H200; see docs/precision.md for the
+# table and scripts/trace_paper_dtypes.py for the command that produced it.
+_PAPER = dict(
+    qk="bf16", scores="bf16", row_max="bf16", pbar="fp32", pbar_operand="bf16", tile_sum="fp32", pv="bf16",
+    rescale="fp32", row_sum="bf16", acc="bf16", out="bf16", lse="fp32", p="fp32", p_operand="bf16",
+    dp="bf16", delta_terms="bf16", delta="bf16", ds="fp32", ds_operand="bf16", dv="bf16", dk="bf16", dq="bf16",
+)
+
+PRESETS: dict[str, Precision] = {
+    "fp64": _uniform("fp64", "fp64"),
+    "fp32": _uniform("fp32", "fp32"),
+    "fa2": Precision(name="fa2", **_FA2),
+    "bf16": _uniform("bf16", "bf16", block_m=512, block_n=512, tile_sum_clamp=1e-10),
+    "paper": Precision(name="paper", block_m=512, block_n=512, tile_sum_clamp=1e-10, **_PAPER),
+}
+
+
+def resolve(precision: str | Precision) -> Precision:
+    """A policy from a preset name, or the policy itself."""
+    if isinstance(precision, Precision):
+        return precision
+    if isinstance(precision, str) and precision in PRESETS:
+        return PRESETS[precision]
+    raise ValueError(f"precision: unknown preset {precision!r}; expected a Precision or one of {sorted(PRESETS)}")

@@ -1,0 +1,301 @@
+"""Tiled FlashAttention-2 forward and backward in PyTorch, rounded where a `Precision` says.
+
+This is the ground truth the kernels are tested against, and the lab bench of
+the isolation experiments. It follows Algorithms 1 and 2 of FlashAttention-2:
+an online softmax over key tiles in the forward (saving O and the log-sum-exp),
+and recomputation of P from the log-sum-exp in the backward, with δ precomputed.
+
+How rounding is emulated: every operation computes in the policy's compute
+format (fp32, or fp64) and rounds its result once, as torch's kernels do.
+Matmuls, reductions and exp/log round to their *site*'s format; elementwise
+binary ops round to the promoted dtype of their operands, exactly as torch's
+type promotion (and CUDA autocast, which leaves them alone) would; values
+written into a buffer round to the buffer's site format.
+
+Numerical edge cases:
+- causal masking and -inf scores give P = 0; a row whose scores are all -inf
+  (no visible key) gets O = 0 and lse = -inf, and zero gradients;
+- NaN in q, k or v, or +inf scores, propagate to NaN in the rows they touch,
+  as in plain softmax attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from stableflash.attention.precision import Precision
+from stableflash.attention.stabilize import SFA, ClampPbar
+from stableflash.attention.stats import AttentionStats
+from stableflash.numerics.formats import get_format
+from stableflash.numerics.rounding import round_to
+
+
+def _promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    if a == b:
+        return a
+    try:
+        return torch.promote_types(a, b)
+    except RuntimeError:  # fp8 has no promotion rules; compute in fp32
+        return torch.float32
+
+
+class _Rounder:
+    """Rounding helpers bound to one policy and one input dtype."""
+
+    def __init__(self, policy: Precision, input_dtype: torch.dtype):
+        self.policy = policy
+        self.input_dtype = input_dtype
+        self.cd = policy.compute_dtype()
+
+    def dtype(self, site: str) -> torch.dtype:
+        return self.policy.dtype(site, self.input_dtype)
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Round `x` (any dtype) to `dtype` under the policy's rounding mode; returns a `dtype` tensor."""
+        if self.policy.rounding == "nearest" or x.dtype == dtype:
+            return x.to(dtype)
+        wider = torch.float64 if dtype == torch.float64 else torch.float32
+        return round_to(x, get_format(dtype), self.policy.rounding, dtype=wider).to(dtype)
+
+    def site(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return self.cast(x, self.dtype(name))
+
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        """Value of `x` in the compute dtype."""
+        return x.to(self.cd)
+
+    def ew(self, fn, *args) -> torch.Tensor:
+        """Elementwise op: compute in the compute dtype, round to the operands' promoted dtype."""
+        dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+        result_dtype = dtypes[0]
+        for d in dtypes[1:]:
+            result_dtype = _promote(result_dtype, d)
+        values = [self.up(a) if isinstance(a, torch.Tensor) else a for a in args]
+        return self.cast(fn(*values), result_dtype)
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor, site: str) -> torch.Tensor:
+        return self.site(site, self.up(a) @ self.up(b))
+
+
+def _causal_mask(row_start: int, rows: int, col_start: int, cols: int, device) -> torch.Tensor | None:
+    """True where key index > query index, or None if nothing in the tile is masked."""
+    if col_start + cols - 1 <= row_start:
+        return None
+    r = torch.arange(row_start, row_start + rows, device=device)[:, None]
+    c = torch.arange(col_start, col_start + cols, device=device)[None, :]
+    return c > r
+
+
+def _tiles(length: int, block: int | None):
+    block = length if block is None else block
+    return [(start, min(block, length - start)) for start in range(0, length, block)]
+
+
+def _scores(r: _Rounder, qi, kj, scale, causal, i0, j0):
+    qk = r.mm(qi, kj.transpose(-1, -2), "qk")
+    s = r.site("scores", r.ew(lambda a: a * scale, qk))
+    mask = _causal_mask(i0, qi.shape[-2], j0, kj.shape[-2], qi.device) if causal else None
+    if mask is not None:
+        s = s.masked_fill(mask, -math.inf)
+    return s
+
+
+def _near_max_count(r: _Rounder, s: torch.Tensor, rm: torch.Tensor, eps: float) -> torch.Tensor:
+    gap = r.up(rm) - r.up(s)  # >= 0; exact enough for a threshold test
+    return ((gap <= eps) & torch.isfinite(s)).sum(-1, keepdim=True)
+
+
+def forward(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize=None,
+            stats: AttentionStats | None = None, heads=slice(None)):
+    """Tiled forward. Returns (out, o_saved, lse); see the module docstring for the rounding."""
+    r = _Rounder(policy, q.dtype)
+    B, H, T, D = q.shape
+    device = q.device
+    pbar_fmt = get_format(r.dtype("pbar_operand"))
+    row_max_fmt = get_format(r.dtype("row_max"))
+    out = torch.empty(B, H, T, D, dtype=r.dtype("out"), device=device)
+    o_saved = None
+    if policy.o_saved != "out":
+        o_saved = torch.empty(B, H, T, D, dtype=get_format(policy.o_saved).torch_dtype, device=device)
+    lse = torch.empty(B, H, T, 1, dtype=r.dtype("lse"), device=device)
+    if stats is not None:
+        repeated = torch.zeros(B, H, T, 1, dtype=torch.bool, device=device)
+        ones = torch.zeros(H, dtype=torch.int64, device=device)
+        max_score = torch.full((H,), -math.inf, device=device)
+
+    for i0, bm in _tiles(T, policy.block_m):
+        qi = q[:, :, i0:i0 + bm]
+        m = torch.full((B, H, bm, 1), -math.inf, dtype=r.dtype("row_max"), device=device)
+        l = torch.zeros(B, H, bm, 1, dtype=r.dtype("row_sum"), device=device)
+        acc = torch.zeros(B, H, bm, D, dtype=r.dtype("acc"), device=device)
+        for j0, bn in _tiles(T, policy.block_n):
+            if causal and j0 > i0 + bm - 1:
+                break
+            kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
+            s = _scores(r, qi, kj, scale, causal, i0, j0)
+            # -- row statistics of this tile --
+            tile_max = r.site("row_max", s.amax(-1, keepdim=True))
+            if stats is not None:
+                repeated[:, :, i0:i0 + bm] |= _near_max_count(r, s, tile_max, stats.eps) > 1
+                finite = torch.where(torch.isfinite(s), s, -math.inf)
+                max_score = torch.maximum(max_score, finite.float().amax(dim=(0, 2, 3)))
+            if isinstance(stabilize, SFA):
+                rs = _near_max_count(r, s, tile_max, stabilize.eps)
+                tile_max = r.site("row_max", stabilize.row_shift_max(r.up(tile_max), rs, row_max_fmt, pbar_fmt))
+            m_new = r.site("row_max", r.ew(torch.maximum, tile_max, m))
+            # a row with no visible key so far keeps m = -inf; shift it by 0 so exp gives 0, not NaN
+            m_shift = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            # -- P̄ = exp(S - m) --
+            pbar = r.site("pbar", torch.exp(r.up(r.ew(torch.sub, s, m_shift))))
+            if isinstance(stabilize, ClampPbar):
+                pbar = pbar.clamp(max=ClampPbar.ceiling(pbar_fmt))
+            pbar_op = r.site("pbar_operand", pbar)
+            if stats is not None:
+                ones += (pbar_op == 1).sum(dim=(0, 2, 3))
+            tile_sum = r.site("tile_sum", r.up(pbar).sum(-1, keepdim=True))
+            if policy.tile_sum_clamp is not None:
+                tile_sum = tile_sum.clamp(min=policy.tile_sum_clamp)
+            pv = r.mm(pbar_op, vj, "pv")
+            # -- rescale the running sum and accumulator --
+            rescale = r.site("rescale", torch.exp(r.up(r.ew(torch.sub, m, m_shift))))
+            l = r.site("row_sum", r.ew(torch.add, r.ew(torch.mul, rescale, l), tile_sum))
+            acc = r.site("acc", r.ew(torch.add, r.ew(torch.mul, acc, rescale), pv))
+            m = m_new
+        # -- normalise; rows that saw no finite score (m = -inf) get O = 0 and lse = -inf.
+        # (l = 0 with a finite m is P̄ underflow, e.g. the unbounded SFA rule: 0/0 = NaN, kept visible.)
+        empty = torch.isneginf(m)
+        o_full = r.ew(torch.div, acc, torch.where(empty, torch.ones_like(l), l))
+        o_full = o_full.masked_fill(empty, 0.0)
+        out[:, :, i0:i0 + bm] = r.site("out", o_full)
+        if o_saved is not None:
+            o_saved[:, :, i0:i0 + bm] = r.cast(o_full, o_saved.dtype)
+        log_l = r.site("lse", torch.log(r.up(l)))
+        lse[:, :, i0:i0 + bm] = r.site("lse", r.ew(torch.add, log_l, m)).masked_fill(empty, -math.inf)
+
+    if stats is not None:
+        stats.add(heads, rows=torch.full((H,), B * T, dtype=torch.int64, device=device),
+                  repeated_max_rows=repeated.sum(dim=(0, 2, 3)), pbar_ones=ones, max_score=max_score)
+    return out, (out if o_saved is None else o_saved), lse
+
+
+def _probabilities(r: _Rounder, s, lse_i):
+    """P = exp(S - lse) with fully masked rows (lse = -inf) giving 0."""
+    shifted = r.ew(torch.sub, s, torch.where(torch.isneginf(lse_i), torch.zeros_like(lse_i), lse_i))
+    p = r.site("p", torch.exp(r.up(shifted)))
+    return p.masked_fill(torch.isneginf(lse_i), 0.0)
+
+
+def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, causal):
+    """δ per row by the policy's formula."""
+    policy = r.policy
+    T = q.shape[-2]
+    if policy.delta_formula == "do_o":
+        terms = r.site("delta_terms", r.ew(torch.mul, dout, o_saved))
+        return r.site("delta", r.up(terms).sum(-1, keepdim=True))
+    # the other two formulas need P row by row: one pass over the key tiles
+    delta = torch.zeros(*q.shape[:-1], 1, dtype=r.dtype("delta"), device=q.device)
+    for i0, bm in _tiles(T, policy.block_m):
+        qi, doi, lse_i = q[:, :, i0:i0 + bm], dout[:, :, i0:i0 + bm], lse[:, :, i0:i0 + bm]
+        o_hp = torch.zeros(*qi.shape, dtype=torch.float64 if r.cd == torch.float64 else torch.float32, device=q.device)
+        for j0, bn in _tiles(T, policy.block_n):
+            if causal and j0 > i0 + bm - 1:
+                break
+            kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
+            p = _probabilities(r, _scores(r, qi, kj, scale, causal, i0, j0), lse_i)
+            if policy.delta_formula == "dp_p":
+                dp = r.mm(doi, vj.transpose(-1, -2), "dp")
+                terms = r.site("delta_terms", r.ew(torch.mul, dp, p))
+                part = r.site("delta", r.up(terms).sum(-1, keepdim=True))
+                delta[:, :, i0:i0 + bm] = r.site("delta", r.ew(torch.add, delta[:, :, i0:i0 + bm], part))
+            else:  # do_o_recomputed: O = PV accumulated in fp32 (or fp64)
+                o_hp += p.to(o_hp.dtype) @ vj.to(o_hp.dtype)
+        if policy.delta_formula == "do_o_recomputed":
+            delta[:, :, i0:i0 + bm] = r.site("delta", (doi.to(o_hp.dtype) * o_hp).sum(-1, keepdim=True))
+    return delta
+
+
+def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool, policy: Precision):
+    """Tiled backward (FlashAttention-2 Algorithm 2). Returns (dq, dk, dv) in the site formats."""
+    r = _Rounder(policy, q.dtype)
+    B, H, T, D = q.shape
+    delta = _delta(r, q, k, v, o_saved, lse, dout, scale, causal)
+    dq = torch.zeros(B, H, T, D, dtype=r.dtype("dq"), device=q.device)
+    dk = torch.zeros_like(dq, dtype=r.dtype("dk"))
+    dv = torch.zeros_like(dq, dtype=r.dtype("dv"))
+    for j0, bn in _tiles(T, policy.block_n):
+        kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
+        dk_j = dk[:, :, j0:j0 + bn]
+        dv_j = dv[:, :, j0:j0 + bn]
+        for i0, bm in _tiles(T, policy.block_m):
+            if causal and j0 > i0 + bm - 1:
+                continue
+            qi, doi = q[:, :, i0:i0 + bm], dout[:, :, i0:i0 + bm]
+            s = _scores(r, qi, kj, scale, causal, i0, j0)
+            p = _probabilities(r, s, lse[:, :, i0:i0 + bm])
+            p_op = r.site("p_operand", p)
+            dv_j = r.site("dv", r.ew(torch.add, dv_j, r.mm(p_op.transpose(-1, -2), doi, "dv")))
+            dp = r.mm(doi, vj.transpose(-1, -2), "dp")
+            ds = r.site("ds", r.ew(torch.mul, p, r.ew(torch.sub, dp, delta[:, :, i0:i0 + bm])))
+            ds_op = r.site("ds_operand", ds)
+            dq_part = r.ew(lambda a: a * scale, r.mm(ds_op, kj, "dq"))
+            dq[:, :, i0:i0 + bm] = r.site("dq", r.ew(torch.add, dq[:, :, i0:i0 + bm], dq_part))
+            dk_part = r.ew(lambda a: a * scale, r.mm(ds_op.transpose(-1, -2), qi, "dk"))
+            dk_j = r.site("dk", r.ew(torch.add, dk_j, dk_part))
+        dk[:, :, j0:j0 + bn] = dk_j
+        dv[:, :, j0:j0 + bn] = dv_j
+    return dq, dk, dv
+
+
+class ReferenceAttention(torch.autograd.Function):
+    """Autograd wrapper: the forward saves O (as the policy says) and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, policy, stabilize, stats, heads):
+        out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy,
+                                    stabilize=stabilize, stats=stats, heads=heads)
+        ctx.save_for_backward(q, k, v, o_saved, lse)
+        ctx.scale, ctx.causal, ctx.policy = scale, causal, policy
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, o_saved, lse = ctx.saved_tensors
+        dq, dk, dv = backward(q, k, v, o_saved, lse, dout, scale=ctx.scale, causal=ctx.causal, policy=ctx.policy)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def reference_attention(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize=None,
+                        stats: AttentionStats | None = None) -> torch.Tensor:
+    """Reference attention with per-head policy overrides resolved."""
+    if policy.head_override is None:
+        return ReferenceAttention.apply(q, k, v, scale, causal, policy, stabilize, stats, slice(None))
+    heads, other = policy.head_override
+    H = q.shape[1]
+    if any(h >= H for h in heads):
+        raise ValueError(f"precision: head_override names heads {list(heads)}, but the input has {H} heads")
+    base = policy.replace(head_override=None)
+    chosen = torch.tensor(sorted(heads), dtype=torch.long, device=q.device)
+    rest = torch.tensor([h for h in range(H) if h not in set(heads)], dtype=torch.long, device=q.device)
+    parts, index = [], []
+    for idx, pol in ((rest, base), (chosen, other)):
+        if idx.numel() == 0:
+            continue
+        sub = [t.index_select(1, idx) for t in (q, k, v)]
+        parts.append(ReferenceAttention.apply(*sub, scale, causal, pol, stabilize, stats, idx))
+        index.append(idx)
+    out_dtype = parts[0].dtype if rest.numel() else parts[-1].dtype
+    combined = torch.cat([p.to(out_dtype) for p in parts], dim=1)
+    inverse = torch.argsort(torch.cat(index))
+    return combined.index_select(1, inverse)
+
+
+def forward_and_delta(q, k, v, dout, *, scale: float | None = None, causal: bool = True,
+                      policy: Precision, stabilize=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, δ) as the policy's forward and backward compute them; δ has shape (B, H, T)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy, stabilize=stabilize)
+    r = _Rounder(policy, q.dtype)
+    delta = _delta(r, q, k, v, o_saved, lse, dout.to(out.dtype), scale, causal)
+    return out, delta.squeeze(-1)

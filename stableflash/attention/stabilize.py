@@ -1,0 +1,99 @@
+"""Stabilizations of the online softmax: the seed's SFA and the ClampPbar control.
+
+Both act per tile, on a row's tile maximum `rm` and its count of near-maxima
+`rs = #{S >= rm - eps}`, and both aim at one thing: no P̄ entry equal to 1 in a
+row with repeated maxima, which is what triggers the biased bf16 rounding in P̄V.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from stableflash.numerics.formats import Format
+from stableflash.numerics.rounding import round_to
+
+
+@dataclass(frozen=True)
+class SFA:
+    """Stabilized flash attention's modified safe softmax (the seed's Algorithm 3).
+
+    Per tile: rm = rowmax(S), rs = rowsum(rm - S <= eps);
+    m' = beta*rm where rm > 0 and rs > 1, else rm; m = 0 where rm < 0 and rs > 1, else m'.
+    Exact in real arithmetic (softmax is shift invariant).
+
+    `bounded=False` is the paper's rule as written. It has two holes: a repeated
+    maximum with rm above ~88 (or far below 0, where m = 0) shifts every P̄ into
+    underflow, so l = 0 and O = NaN; and for |rm| below ~2^-8 (or rm = 0) the
+    shifted maximum still rounds to exactly 1. The default, bounded rule clamps
+    the shift m - rm in repeated-max rows to [min_shift, max_shift], where
+    min_shift is the smallest shift whose exp rounds below 1 in the P̄ format
+    (2^-fraction_bits) and max_shift keeps exp(-shift) a normal number; the shift
+    is applied after rounding m to its storage format (rounding up), and a row
+    whose rm is so large that no such m is representable stays unshifted.
+    """
+
+    beta: float = 2.0
+    eps: float = 1e-3
+    bounded: bool = True
+    max_shift: float = 16.0
+
+    def __post_init__(self):
+        if not (isinstance(self.beta, (int, float)) and self.beta > 1):
+            raise ValueError(f"SFA.beta: expected a number > 1, got {self.beta!r}")
+        if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
+            raise ValueError(f"SFA.eps: expected a number >= 0, got {self.eps!r}")
+        if not self.max_shift > 0:
+            raise ValueError(f"SFA.max_shift: expected a number > 0, got {self.max_shift!r}")
+
+    def shift_bounds(self, pbar_format: Format) -> tuple[float, float]:
+        """(min, max) shift m - rm that keeps max P̄ in (0, 1) in `pbar_format`."""
+        low = math.ldexp(1.0, -pbar_format.fraction_bits)
+        high = min(self.max_shift, -math.log(pbar_format.min_normal) / 2)
+        return low, high
+
+    def row_shift_max(self, rm: torch.Tensor, rs: torch.Tensor, storage: Format, pbar_format: Format) -> torch.Tensor:
+        """The m of each row (compute dtype) given its tile max `rm` and near-max count `rs`."""
+        repeated = rs > 1
+        paper = torch.where(repeated & (rm > 0), self.beta * rm, rm)
+        paper = torch.where(repeated & (rm < 0), torch.zeros_like(rm), paper)
+        if not self.bounded:
+            return paper
+        low, high = self.shift_bounds(pbar_format)
+        finite = torch.isfinite(rm)
+        safe_rm = torch.where(finite, rm, torch.zeros_like(rm))
+        shift = torch.clamp(paper - rm, min=low, max=high)
+        # round m up in its storage format so the stored shift is still >= low
+        m = round_to(safe_rm + shift, storage, "up", dtype=rm.dtype)
+        actual = m.double() - safe_rm.double()
+        usable = repeated & finite & (actual >= low) & (actual <= high)
+        return torch.where(usable, m, rm)
+
+
+@dataclass(frozen=True)
+class ClampPbar:
+    """Control for the seed's Limitation 4: keep m = rm (same temperature) but clamp
+    P̄ to the largest value below 1 of its format, so no entry is exactly 1.
+
+    Not exact in real arithmetic: the maxima get weight 1 - 2^-(fraction_bits+1)."""
+
+    eps: float = 1e-3
+
+    def __post_init__(self):
+        if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
+            raise ValueError(f"ClampPbar.eps: expected a number >= 0, got {self.eps!r}")
+
+    @staticmethod
+    def ceiling(pbar_format: Format) -> float:
+        return 1.0 - math.ldexp(1.0, -(pbar_format.fraction_bits + 1))
+
+
+Stabilizer = SFA | ClampPbar
+
+
+def check_stabilize(stabilize) -> Stabilizer | None:
+    if stabilize is None or isinstance(stabilize, (SFA, ClampPbar)):
+        return stabilize
+    raise TypeError(f"stabilize: expected None, SFA(...) or ClampPbar(...), got {type(stabilize).__name__}")

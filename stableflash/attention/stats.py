@@ -1,0 +1,73 @@
+"""`AttentionStats`: per-head counters that attention kernels fill when asked.
+
+Pass one as `flash_attention(..., stats=s)`; every call adds to it (forward only),
+so a monitor can read and `reset()` it once per logging interval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionStats:
+    """Counters per head, summed over batch, rows and calls.
+
+    - `rows`: query rows seen;
+    - `repeated_max_rows`: rows with more than one score within `eps` of the
+      tile maximum in some tile (the SFA condition rs > 1);
+    - `pbar_ones`: P̄ entries equal to exactly 1 in the format they enter P̄V in;
+    - `max_score`: largest finite pre-softmax score S (scaled).
+    """
+
+    num_heads: int
+    eps: float = 1e-3
+    rows: torch.Tensor = field(init=False)
+    repeated_max_rows: torch.Tensor = field(init=False)
+    pbar_ones: torch.Tensor = field(init=False)
+    max_score: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        if not isinstance(self.num_heads, int) or self.num_heads < 1:
+            raise ValueError(f"num_heads: expected a positive int, got {self.num_heads!r}")
+        if not self.eps >= 0:
+            raise ValueError(f"eps: expected a number >= 0, got {self.eps!r}")
+        self.reset()
+
+    def reset(self, device: torch.device | str | None = None) -> None:
+        device = device if device is not None else getattr(self, "rows", torch.empty(0)).device
+        self.rows = torch.zeros(self.num_heads, dtype=torch.int64, device=device)
+        self.repeated_max_rows = torch.zeros_like(self.rows)
+        self.pbar_ones = torch.zeros_like(self.rows)
+        self.max_score = torch.full((self.num_heads,), -torch.inf, dtype=torch.float32, device=device)
+
+    def _to(self, device: torch.device) -> None:
+        if self.rows.device != device:
+            for name in ("rows", "repeated_max_rows", "pbar_ones", "max_score"):
+                setattr(self, name, getattr(self, name).to(device))
+
+    def add(self, heads: torch.Tensor | slice, rows, repeated_max_rows, pbar_ones, max_score) -> None:
+        """Accumulate per-head counts for the head indices `heads`."""
+        self._to(rows.device)
+        self.rows[heads] += rows
+        self.repeated_max_rows[heads] += repeated_max_rows
+        self.pbar_ones[heads] += pbar_ones
+        self.max_score[heads] = torch.maximum(self.max_score[heads], max_score.float())
+
+    def check(self, num_heads: int) -> None:
+        if self.num_heads != num_heads:
+            raise ValueError(f"stats: built for {self.num_heads} heads, but the input has {num_heads}")
+
+    def to_dict(self) -> dict:
+        return {
+            "rows": self.rows.tolist(),
+            "repeated_max_rows": self.repeated_max_rows.tolist(),
+            "pbar_ones": self.pbar_ones.tolist(),
+            "max_score": self.max_score.tolist(),
+        }
+
+    @property
+    def repeated_max_fraction(self) -> torch.Tensor:
+        return self.repeated_max_rows.double() / self.rows.clamp(min=1).double()

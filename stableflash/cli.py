@@ -1,0 +1,80 @@
+"""The `stableflash` command: thin sub-commands over the packages."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _explain_add(args) -> int:
+    from stableflash.numerics import explain_add
+
+    result = explain_add(args.a, args.b, args.format, args.operand_format)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    return 0
+
+
+def _demo(args) -> int:
+    from stableflash.demo import run_demo
+
+    run_demo(Path(args.out), train=not args.no_train)
+    return 0
+
+
+def _train(args) -> int:
+    from stableflash.train.cli import train_command
+
+    return train_command(args)
+
+
+def _prepare(args) -> int:
+    from stableflash.train.data import prepare_command
+
+    return prepare_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stableflash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("explain-add", help="bit-level walk through one floating-point addition")
+    p.add_argument("a", type=float)
+    p.add_argument("b", type=float)
+    p.add_argument("--format", default="bf16", help="format the sum is rounded to (default bf16)")
+    p.add_argument("--operand-format", default="fp32", help="format the operands are held in (default fp32)")
+    p.add_argument("--json", action="store_true", help="print every field as JSON")
+    p.set_defaults(func=_explain_add)
+
+    p = sub.add_parser("demo", help="the main job on the embedded data (CPU, a few minutes)")
+    p.add_argument("--out", default="stableflash-demo", help="output folder (default ./stableflash-demo)")
+    p.add_argument("--no-train", action="store_true", help="only the numerics part (seconds)")
+    p.set_defaults(func=_demo)
+
+    try:
+        from stableflash.train.cli import add_train_arguments
+        from stableflash.train.data import add_prepare_arguments
+    except ImportError:  # the training layer is optional at this level
+        return parser
+    p = sub.add_parser("train", help="train a GPT with per-layer/per-head attention control")
+    add_train_arguments(p)
+    p.set_defaults(func=_train)
+    p = sub.add_parser("prepare", help="write train.bin/val.bin token memmaps")
+    add_prepare_arguments(p)
+    p.set_defaults(func=_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"stableflash {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

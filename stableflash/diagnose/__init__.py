@@ -1,0 +1,1 @@
+"""The seed's analyses as functions returning JSON-serialisable dataclasses."""

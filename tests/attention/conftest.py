@@ -1,0 +1,23 @@
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def tied_inputs(num_ties: int, T: int = 64, D: int = 32, heads: int = 4, magnitude: float = 4.0, seed: int = 0,
+                dtype=torch.bfloat16):
+    """Non-causal inputs where every query row has exactly `num_ties` tied maximal scores.
+
+    Keys 0..num_ties-1 are copies of one vector w; each query is a positive multiple of
+    w, so those keys score identically and above every random key."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(heads, 1, D, generator=g)
+    w = w / w.norm(dim=-1, keepdim=True) * D**0.5
+    k = torch.randn(heads, T, D, generator=g) * 0.3
+    k[:, :num_ties] = w
+    scale = torch.rand(heads, T, 1, generator=g) * magnitude + magnitude
+    q = w * scale / D**0.5
+    v = -(torch.rand(heads, T, D, generator=g) * 2 + 0.5)  # one sign, as in the seed's V[:, 20]
+    return tuple(t.unsqueeze(0).to(dtype) for t in (q, k, v))

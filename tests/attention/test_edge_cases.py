@@ -1,0 +1,90 @@
+"""Bad input raises naming the argument; non-finite and huge inputs have defined results."""
+
+import math
+
+import pytest
+import torch
+
+from stableflash import SFA, AttentionStats, flash_attention
+
+
+def _qkv(*shape, dtype=torch.float32):
+    return [torch.randn(*shape).to(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda q, k, v: flash_attention(q[0], k[0], v[0]), ValueError, "q: expected rank 4"),
+    (lambda q, k, v: flash_attention(q, k[:, :, :5], v), ValueError, "k: shape"),
+    (lambda q, k, v: flash_attention(q, k, v.double()), TypeError, "v: dtype"),
+    (lambda q, k, v: flash_attention(q.int(), k, v), TypeError, "q: expected dtype"),
+    (lambda q, k, v: flash_attention(q, k, v, backend="cuda-magic"), ValueError, "backend: expected one of"),
+    (lambda q, k, v: flash_attention(q, k, v, precision="fp17"), ValueError, "precision: unknown preset"),
+    (lambda q, k, v: flash_attention(q, k, v, stabilize="sfa"), TypeError, "stabilize: expected"),
+    (lambda q, k, v: flash_attention(q, k, v, scale=-1.0), ValueError, "scale: expected"),
+    (lambda q, k, v: flash_attention(q, k, v, causal=1), TypeError, "causal: expected a bool"),
+    (lambda q, k, v: flash_attention(q, k, v, stats=AttentionStats(3)), ValueError, "stats: built for 3 heads"),
+    (lambda q, k, v: flash_attention(q, k, v, backend="sdpa", stabilize=SFA()), ValueError, "stabilize: backend 'sdpa'"),
+    (lambda q, k, v: flash_attention(q, k, v, backend="math", precision="paper"), ValueError, "precision: backend 'math'"),
+    (lambda q, k, v: flash_attention(q, k, v, backend="sdpa", stats=AttentionStats(2)), ValueError, "stats: backend 'sdpa'"),
+    (lambda q, k, v: flash_attention(q, [1], v), TypeError, "k: expected a torch.Tensor"),
+])
+def test_bad_input_names_the_argument(call, error, match):
+    q, k, v = _qkv(1, 2, 8, 16)
+    with pytest.raises(error, match=match):
+        call(q, k, v)
+
+
+def test_triton_backend_refuses_without_gpu():
+    q, k, v = _qkv(1, 2, 8, 16)
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises((ValueError, ImportError, RuntimeError)):
+        flash_attention(q, k, v, backend="triton")
+
+
+@pytest.mark.parametrize("preset", ["fa2", "bf16", "paper", "fp32"])
+@pytest.mark.parametrize("stabilize", [None, SFA()])
+def test_huge_equal_logits_are_finite(preset, stabilize):
+    # q = k = v = 133120 in bf16: every score is ~1.4e11 and tied; some flash kernels return NaN here
+    q = torch.full((1, 2, 64, 64), 133120.0, dtype=torch.bfloat16)
+    out = flash_attention(q, q, q, precision=preset, stabilize=stabilize, backend="reference")
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.float(), torch.full_like(out.float(), 133120.0), rtol=1e-2)
+
+
+def test_huge_logits_backward_is_finite():
+    q = torch.full((1, 1, 32, 64), 133120.0, dtype=torch.bfloat16, requires_grad=True)
+    out = flash_attention(q, q, q, precision="paper", stabilize=SFA(), backend="reference")
+    out.float().sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "math"])
+def test_nan_and_inf_inputs_poison_only_their_rows(backend):
+    q, k, v = _qkv(1, 1, 16, 8, dtype=torch.float64)
+    q[0, 0, 5, 0] = math.nan
+    q[0, 0, 9, :] = math.inf  # +inf scores: inf - inf in the softmax gives NaN for that row
+    out = flash_attention(q, k, v, causal=False, backend=backend, **({"precision": "fp64"} if backend == "reference" else {}))
+    bad = torch.isnan(out[0, 0]).any(-1)
+    assert bad.tolist() == [i in (5, 9) for i in range(16)]
+
+
+def test_neg_inf_keys_are_masked_and_fully_masked_rows_give_zero():
+    q, k, v = _qkv(1, 1, 8, 4, dtype=torch.float64)
+    q = q.abs() + 0.1
+    k = k.abs() + 0.1
+    k[0, 0, 3] = -math.inf  # scores with key 3 are -inf: key 3 gets weight 0
+    ref = flash_attention(q, k, v, causal=False, scale=0.5, precision="fp64", backend="reference")
+    keep = [i for i in range(8) if i != 3]
+    expected = flash_attention(q, k[:, :, keep], v[:, :, keep], causal=False, scale=0.5, backend="math")
+    assert torch.allclose(ref, expected)
+    # a query of -inf against positive keys: every score -inf, no visible key: O = 0, gradients 0
+    q2 = q.clone()
+    q2[0, 0, 2] = -math.inf
+    k2 = k.clone()
+    k2[0, 0, 3] = 1.0
+    q2.requires_grad_()
+    out = flash_attention(q2, k2, v, causal=False, precision="fp64", backend="reference")
+    assert torch.equal(out[0, 0, 2], torch.zeros(4, dtype=torch.float64))
+    out.sum().backward()
+    assert torch.isfinite(q2.grad[0, 0, [0, 1, 3]]).all()

@@ -1,0 +1,200 @@
+"""The reference against float64 math attention, the presets against their definitions."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel_err, tied_inputs
+
+from stableflash import SFA, Precision, flash_attention
+from stableflash.attention import PRESETS, SITES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _grads(out, inputs, dout):
+    return torch.autograd.grad(out, inputs, dout)
+
+
+@pytest.mark.parametrize("T", [77, 300, 513])
+@pytest.mark.parametrize("D", [16, 40, 64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp32_reference_matches_fp64_math(T, D, causal):
+    g = torch.Generator().manual_seed(T * D + causal)
+    q, k, v = (torch.randn(1, 2, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(1, 2, T, D, generator=g, dtype=torch.float64)
+    exact_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    exact = flash_attention(*exact_in, causal=causal, backend="math")
+    exact_grads = _grads(exact, exact_in, dout)
+    ours_in = [t.float().requires_grad_() for t in (q, k, v)]
+    ours = flash_attention(*ours_in, causal=causal, precision="fp32", backend="reference")
+    ours_grads = _grads(ours, ours_in, dout.float())
+    assert ours.dtype == torch.float32
+    assert rel_err(ours, exact) < 1e-5
+    for a, b in zip(ours_grads, exact_grads):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_fp64_reference_passes_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    policy = PRESETS["fp64"].replace(block_m=4, block_n=3)
+    assert torch.autograd.gradcheck(lambda q, k, v: flash_attention(q, k, v, precision=policy, backend="reference"), inputs)
+
+
+@pytest.mark.parametrize("num_ties", [2, 3])
+def test_fp64_sfa_is_exact_attention(num_ties):
+    q, k, v = (t.double() for t in tied_inputs(num_ties, T=96, magnitude=6.0))
+    dout = torch.randn_like(q)
+    exact_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    exact = flash_attention(*exact_in, causal=False, backend="math")
+    exact_grads = _grads(exact, exact_in, dout)
+    for sfa in (SFA(beta=2.0), SFA(beta=8.0, bounded=False)):
+        sfa_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention(*sfa_in, causal=False, precision="fp64", stabilize=sfa, backend="reference")
+        assert rel_err(out, exact) < 1e-10
+        for a, b in zip(_grads(out, sfa_in, dout), exact_grads):
+            assert rel_err(a, b) < 1e-10
+
+
+def _literal_bf16(q, k, v, scale, block=512):
+    """The `bf16` preset's op sequence written out in bf16 torch ops."""
+    B, H, T, D = q.shape
+    out = torch.empty_like(q)
+    for i0 in range(0, T, block):
+        qi = q[:, :, i0:i0 + block]
+        m = torch.full((B, H, qi.shape[2], 1), -math.inf, dtype=torch.bfloat16)
+        l = torch.zeros_like(m)
+        o = torch.zeros_like(qi)
+        for j0 in range(0, min(i0 + block, T), block):
+            kj, vj = k[:, :, j0:j0 + block], v[:, :, j0:j0 + block]
+            s = (qi @ kj.transpose(-1, -2)) * scale
+            rows = torch.arange(i0, i0 + qi.shape[2])[:, None]
+            cols = torch.arange(j0, j0 + kj.shape[2])[None, :]
+            s = s.masked_fill(cols > rows, -math.inf)
+            m_new = torch.maximum(s.amax(-1, keepdim=True), m)
+            p = torch.exp(s - m_new)
+            tile_sum = p.sum(-1, keepdim=True).clamp(min=1e-10)
+            pv = p @ vj
+            c = torch.exp(m - m_new)
+            l = c * l + tile_sum
+            o = o * c + pv
+            m = m_new
+        out[:, :, i0:i0 + block] = o / l
+    return out
+
+
+def test_bf16_preset_matches_literal_op_sequence_bitwise():
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 1024, 64, generator=g).bfloat16() for _ in range(3))
+    ours = flash_attention(q, k, v, precision="bf16", backend="reference")
+    literal = _literal_bf16(q, k, v, scale=1 / 8)
+    assert ours.dtype == torch.bfloat16
+    equal = (ours == literal).float().mean().item()
+    assert equal >= 0.99, f"only {equal:.4f} of outputs bit-equal"
+
+
+@pytest.mark.parametrize("preset", ["fa2", "bf16", "paper"])
+def test_low_precision_presets_within_bf16_error(preset):
+    g = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(1, 3, 257, 64, generator=g).bfloat16() for _ in range(4))
+    exact_in = [t.double().requires_grad_() for t in (q, k, v)]
+    exact = flash_attention(*exact_in, backend="math")
+    exact_grads = _grads(exact, exact_in, dout.double())
+    ours_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ours = flash_attention(*ours_in, precision=preset, backend="reference")
+    assert rel_err(ours, exact) < 2e-2
+    for a, b in zip(_grads(ours, ours_in, dout.to(ours.dtype)), exact_grads):
+        assert rel_err(a, b) < 5e-2
+
+
+def test_fa2_forward_error_is_bf16_output_rounding():
+    # fa2 rounds O once: its error is at most the error of rounding the exact O to bf16, plus P̄'s cast
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 200, 64, generator=g).bfloat16() for _ in range(3))
+    exact = flash_attention(*(t.double() for t in (q, k, v)), backend="math")
+    fa2 = flash_attention(q, k, v, precision="fa2", backend="reference")
+    assert rel_err(fa2, exact) < 2.5 * rel_err(exact.bfloat16(), exact)
+
+
+def test_paper_preset_encodes_the_traced_table():
+    traced = json.loads((ROOT / "results/paper-dtypes/paper-dtypes.json").read_text())["sites"]
+    paper = PRESETS["paper"]
+    mapping = {"qk": "qk", "scores": "scores", "row_max": "row_max", "pbar": "pbar", "tile_sum": "tile_sum",
+               "pv": "pv", "rescale": "rescale", "row_sum": "row_sum", "acc": "acc", "out": "out", "lse": "lse",
+               "delta": "delta", "p": "p", "p_operand": "p_operand", "dp": "dp", "ds": "ds",
+               "ds_operand": "ds_operand", "dq": "dq", "dk": "dk", "dv": "dv"}
+    for traced_site, site in mapping.items():
+        assert getattr(paper, site) == traced[traced_site], site
+    assert paper.pbar_operand == traced["pv"]  # autocast casts P̄ to bf16 inside the matmul
+    docs = (ROOT / "docs/precision.md").read_text()
+    assert "scripts/trace_paper_dtypes.py" in docs
+    for site in SITES:
+        assert f"| {site} |" in docs, site
+
+
+def test_delta_formulas_agree_in_fp64_and_differ_in_bf16():
+    q, k, v = tied_inputs(3, T=64)
+    dout = -torch.rand_like(q.float()).bfloat16()
+    grads = {}
+    for formula in ("do_o", "dp_p", "do_o_recomputed"):
+        for name in ("fp64", "paper"):
+            policy = PRESETS[name].with_delta(formula)
+            inputs = [t.double().requires_grad_() if name == "fp64" else t.clone().requires_grad_() for t in (q, k, v)]
+            out = flash_attention(*inputs, causal=False, precision=policy, backend="reference")
+            grads[formula, name] = _grads(out, inputs, dout.to(out.dtype))
+    for formula in ("dp_p", "do_o_recomputed"):
+        for a, b in zip(grads[formula, "fp64"], grads["do_o", "fp64"]):
+            assert rel_err(a, b) < 1e-12
+    assert not torch.equal(grads["dp_p", "paper"][0], grads["do_o", "paper"][0])
+
+
+def test_tiling_off_is_one_tile_and_knobs_compose():
+    p = PRESETS["paper"].tiling_off().with_pv_fp32()
+    assert p.block_m is None and p.block_n is None and p.pv == "fp32" and p.acc == "fp32"
+    o32 = PRESETS["paper"].with_o_fp32()
+    assert o32.o_saved == "fp32"
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 130, 64, generator=g).bfloat16() for _ in range(3))
+    a = flash_attention(q, k, v, precision=PRESETS["paper"].tiling_off(), backend="reference")
+    b = flash_attention(q, k, v, precision=PRESETS["paper"].replace(block_m=1000, block_n=1000), backend="reference")
+    assert torch.equal(a, b)
+
+
+def test_per_head_override_matches_whole_policy_on_those_heads():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, 70, 32, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    mixed = PRESETS["paper"].with_heads({1, 3}, "fp32")
+    out = flash_attention(q, k, v, precision=mixed, backend="reference")
+    full32 = flash_attention(q, k, v, precision="fp32", backend="reference")
+    paper = flash_attention(q, k, v, precision="paper", backend="reference")
+    assert torch.equal(out[:, [0, 2]], paper[:, [0, 2]])
+    assert torch.equal(out[:, [1, 3]], full32[:, [1, 3]].bfloat16())
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with pytest.raises(ValueError, match="head_override"):
+        flash_attention(q, k, v, precision=PRESETS["paper"].with_heads({9}, "fp32"), backend="reference")
+
+
+def test_fp8_and_stochastic_sites_run():
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 1, 40, 16, generator=g) for _ in range(3))
+    exact = flash_attention(q.double(), k.double(), v.double(), backend="math")
+    fp8 = PRESETS["fa2"].replace(pbar_operand="fp8_e4m3", name="fa2-fp8pbar")
+    err8 = rel_err(flash_attention(q, k, v, precision=fp8, backend="reference"), exact)
+    assert 1e-3 < err8 < 0.2
+    sr = PRESETS["bf16"].replace(rounding="stochastic")
+    assert rel_err(flash_attention(q, k, v, precision=sr, backend="reference"), exact) < 5e-2
+
+
+def test_precision_validation():
+    with pytest.raises(ValueError, match="Precision.pv"):
+        Precision(pv="fp12")
+    with pytest.raises(ValueError, match="delta_formula"):
+        Precision(delta_formula="magic")
+    with pytest.raises(ValueError, match="block_m"):
+        Precision(block_m=0)
+    with pytest.raises(ValueError, match="precision: unknown preset 'fp17'"):
+        flash_attention(*(torch.randn(1, 1, 4, 8) for _ in range(3)), precision="fp17")

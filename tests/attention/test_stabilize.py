@@ -1,0 +1,98 @@
+"""SFA and ClampPbar: the NaN holes, the bounded rule, and the statistics."""
+
+import math
+
+import torch
+from conftest import rel_err, tied_inputs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stableflash import SFA, AttentionStats, ClampPbar, flash_attention
+from stableflash.attention import PRESETS
+
+
+def _rows_as_inputs(row: list[float], dtype):
+    """q, k, v where every query's scores (scale 1) are exactly `row` (k = identity)."""
+    T = len(row)
+    q = torch.tensor(row, dtype=dtype).expand(1, 1, T, T).contiguous()
+    k = torch.eye(T, dtype=dtype)[None, None]
+    v = torch.randn(1, 1, T, T, generator=torch.Generator().manual_seed(T)).to(dtype)
+    return q, k, v
+
+
+score = st.floats(-1e4, 1e4, allow_nan=False, width=16).filter(math.isfinite)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(score, min_size=2, max_size=12), st.integers(2, 4), st.sampled_from([torch.bfloat16, torch.float32]),
+       st.sampled_from([1.5, 2.0, 8.0]), st.sampled_from(["paper", "bf16", "fa2", "fp32"]))
+def test_bounded_sfa_never_nan_or_inf(row, ties, dtype, beta, preset):
+    top = max(row)
+    row = row + [top] * (ties - 1)  # tied maxima
+    q, k, v = _rows_as_inputs(row, dtype)
+    out = flash_attention(q, k, v, causal=False, scale=1.0, stabilize=SFA(beta=beta), precision=preset,
+                          backend="reference")
+    assert torch.isfinite(out).all()
+
+
+def test_unbounded_sfa_nan_case():
+    # a repeated maximum of 200: the paper's rule shifts by (beta-1)*200, every P̄ underflows, 0/0
+    row = [200.0, 200.0, 3.0, -5.0]
+    q, k, v = _rows_as_inputs(row, torch.float32)
+    paper_rule = flash_attention(q, k, v, causal=False, scale=1.0, stabilize=SFA(bounded=False), precision="fa2",
+                                 backend="reference")
+    assert torch.isnan(paper_rule).all()
+    bounded = flash_attention(q, k, v, causal=False, scale=1.0, stabilize=SFA(), precision="fa2", backend="reference")
+    exact = flash_attention(q.double(), k.double(), v.double(), causal=False, scale=1.0, backend="math")
+    assert torch.isfinite(bounded).all()
+    assert rel_err(bounded, exact) < 1e-2
+
+
+def test_unbounded_sfa_rounds_to_one_for_tiny_maxima():
+    # rm = 2^-10 repeated: exp(-(beta-1) rm) rounds to 1 in bf16, so the paper's rule still makes P̄ = 1
+    row = [2.0**-10, 2.0**-10, -1.0, -2.0]
+    q, k, v = _rows_as_inputs(row, torch.bfloat16)
+    for sfa, expect_ones in ((SFA(bounded=False), True), (SFA(), False)):
+        stats = AttentionStats(1)
+        flash_attention(q, k, v, causal=False, scale=1.0, stabilize=sfa, precision="paper", backend="reference", stats=stats)
+        assert (stats.pbar_ones.item() > 0) == expect_ones
+
+
+def test_stats_tied_maxima_standard_vs_sfa():
+    q, k, v = tied_inputs(2, T=64, heads=3)
+    rows = q.shape[1] * q.shape[2]
+    plain, sfa = AttentionStats(3), AttentionStats(3)
+    flash_attention(q, k, v, causal=False, precision="paper", backend="reference", stats=plain)
+    flash_attention(q, k, v, causal=False, precision="paper", backend="reference", stabilize=SFA(), stats=sfa)
+    assert plain.repeated_max_rows.sum().item() == rows
+    assert plain.pbar_ones.sum().item() >= 2 * rows
+    assert sfa.pbar_ones.sum().item() == 0
+    assert sfa.repeated_max_rows.sum().item() == rows
+    assert plain.rows.tolist() == [64, 64, 64]
+    assert (plain.max_score > 0).all()
+
+
+def test_clamp_pbar_removes_ones_but_keeps_temperature():
+    q, k, v = tied_inputs(3, T=64)
+    stats = AttentionStats(4)
+    out = flash_attention(q, k, v, causal=False, precision="paper", stabilize=ClampPbar(), backend="reference", stats=stats)
+    assert stats.pbar_ones.sum().item() == 0
+    exact = flash_attention(*(t.double() for t in (q, k, v)), causal=False, backend="math")
+    assert rel_err(out, exact) < 2e-2
+
+
+def test_sfa_error_not_worse_than_plain_on_random_inputs():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 150, 64, generator=g).bfloat16() for _ in range(3))
+    exact = flash_attention(*(t.double() for t in (q, k, v)), backend="math")
+    plain = rel_err(flash_attention(q, k, v, precision="fa2", backend="reference"), exact)
+    sfa = rel_err(flash_attention(q, k, v, precision="fa2", stabilize=SFA(), backend="reference"), exact)
+    assert sfa <= plain * 1.05
+
+
+def test_sfa_in_tiles_counts_ties_within_a_tile():
+    q, k, v = tied_inputs(2, T=64)
+    policy = PRESETS["paper"].replace(block_m=16, block_n=16)
+    stats = AttentionStats(4)
+    flash_attention(q, k, v, causal=False, precision=policy, stabilize=SFA(), backend="reference", stats=stats)
+    assert stats.pbar_ones.sum().item() == 0
