@@ -1,0 +1,196 @@
+"""GPT-2 (pre-LN, GELU MLP, tied embeddings) whose attention is chosen per layer and per head.
+
+Each block's attention calls `stableflash.flash_attention` with its own backend,
+precision policy and stabilization, so the seed's isolation experiments are
+configurations, not code changes. Options for the comparisons the seed discusses:
+QK-norm, QK-clip (Kimi's post-step rescaling of W_q and W_k), gated attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stableflash.attention import SFA, AttentionStats, ClampPbar, flash_attention
+from stableflash.attention.precision import PRESETS, Precision
+
+PRESET_SHAPES = {
+    "gpt2s": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2m": dict(n_layer=24, n_head=16, n_embd=1024),
+    "tiny": dict(n_layer=2, n_head=2, n_embd=64),
+    "small": dict(n_layer=4, n_head=4, n_embd=256),
+}
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Resolved attention of one layer: what `flash_attention` is called with."""
+
+    backend: str
+    precision: Precision
+    stabilize: SFA | ClampPbar | None
+
+    @classmethod
+    def from_config(cls, cfg) -> LayerAttention:
+        policy = PRESETS[cfg.precision]
+        if not cfg.tiling:
+            policy = policy.tiling_off()
+        if cfg.delta != "do_o":
+            policy = policy.with_delta(cfg.delta)
+        if cfg.pv_fp32:
+            policy = policy.with_pv_fp32()
+        if cfg.o_fp32:
+            policy = policy.with_o_fp32()
+        if cfg.heads:
+            policy = policy.with_heads(set(cfg.heads), cfg.head_precision)
+        stabilize = {
+            "none": None,
+            "sfa": SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
+            "sfa-unbounded": SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps, bounded=False),
+            "clamp": ClampPbar(eps=cfg.sfa_eps),
+        }[cfg.stabilize]
+        backend = cfg.backend
+        if backend in ("sdpa", "math") and (stabilize is not None or cfg.precision != "fa2" or cfg.heads
+                                             or not cfg.tiling or cfg.delta != "do_o" or cfg.pv_fp32 or cfg.o_fp32):
+            raise ValueError(f"attention: backend {backend!r} has fixed numerics; precision/stabilize/knobs need "
+                             "backend 'reference', 'triton' or 'auto'")
+        return cls(backend, policy, stabilize)
+
+    def describe(self) -> str:
+        stab = "" if self.stabilize is None else f"+{type(self.stabilize).__name__}"
+        return f"{self.backend}:{self.precision.name}{stab}"
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg, attention: LayerAttention):
+        super().__init__()
+        self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_gate = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias) if cfg.gated_attention else None
+        self.q_norm = nn.LayerNorm(self.head_dim, bias=cfg.bias) if cfg.qk_norm else None
+        self.k_norm = nn.LayerNorm(self.head_dim, bias=cfg.bias) if cfg.qk_norm else None
+        self.attention = attention
+        self.stats: AttentionStats | None = None  # set by the monitor when it wants counts
+        self.track_max_logit = cfg.qk_clip > 0
+        self.max_logit: torch.Tensor | None = None
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        if self.track_max_logit:
+            with torch.no_grad():  # per-head max logit, for QK-clip after the step
+                scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(self.head_dim)
+                scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), -math.inf)
+                self.max_logit = scores.amax(dim=(0, 2, 3))
+        a = self.attention
+        y = flash_attention(q, k, v, causal=True, precision=a.precision, stabilize=a.stabilize,
+                            backend=a.backend, stats=self.stats)
+        y = y.to(v.dtype)
+        if self.c_gate is not None:
+            gate = torch.sigmoid(self.c_gate(x)).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+            y = y * gate
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads
+        return self.c_proj(y)
+
+    @torch.no_grad()
+    def apply_qk_clip(self, threshold: float) -> None:
+        """Kimi's QK-clip: scale W_q and W_k of each head whose max logit exceeded `threshold`."""
+        if self.max_logit is None:
+            return
+        factor = torch.clamp(threshold / self.max_logit.clamp(min=1e-6), max=1.0).sqrt()  # (nh,)
+        per_row = factor.repeat_interleave(self.head_dim)
+        w = self.c_attn.weight  # rows: [q | k | v]
+        w[: self.n_embd] *= per_row[:, None]
+        w[self.n_embd: 2 * self.n_embd] *= per_row[:, None]
+        if self.c_attn.bias is not None:
+            self.c_attn.bias[: self.n_embd] *= per_row
+            self.c_attn.bias[self.n_embd: 2 * self.n_embd] *= per_row
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, attention: LayerAttention):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, attention)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2. `attention_cfg.for_layer(i)` gives layer i's attention."""
+
+    def __init__(self, cfg, attention_cfg):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            h=nn.ModuleList(Block(cfg, LayerAttention.from_config(attention_cfg.for_layer(i)))
+                            for i in range(cfg.n_layer)),
+            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def attentions(self) -> list[CausalSelfAttention]:
+        return [block.attn for block in self.transformer.h]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"idx: sequence length {T} exceeds model.block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def set_layer_attention(self, layer: int, attention: LayerAttention) -> None:
+        """Switch one layer's attention (the monitor's intervention)."""
+        self.transformer.h[layer].attn.attention = attention

@@ -1,0 +1,37 @@
+"""`stableflash train`: argument parsing over `Trainer`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from stableflash.train.config import load_config
+
+
+def add_train_arguments(parser) -> None:
+    parser.add_argument("--config", help="TOML file or preset name in configs/ (e.g. tiny-cpu)")
+    parser.add_argument("--out", help="run folder (created); required unless --resume")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue that run in its folder from its checkpoint")
+    parser.add_argument("--replay", metavar="RUN_DIR", help="train on exactly the batches recorded in RUN_DIR")
+
+
+def train_command(args) -> int:
+    from stableflash.train.loop import train
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.toml").exists():
+            raise FileNotFoundError(f"--resume: {run_dir} has no config.toml")
+        cfg = load_config(run_dir / "config.toml", args.overrides)
+    else:
+        if not args.out:
+            raise ValueError("--out: a run folder is required (or --resume RUN_DIR)")
+        if args.config is None:
+            raise ValueError("--config: a TOML file or preset name is required")
+        run_dir = Path(args.out)
+        cfg = load_config(args.config, args.overrides)
+    summary = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay)
+    print(json.dumps(summary))
+    return 0

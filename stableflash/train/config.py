@@ -1,0 +1,352 @@
+"""Training configuration: nested frozen dataclasses, TOML presets, `--set key=value` overrides.
+
+A config is data: `TrainConfig{model, attention, optim, data, monitor, run}`; each
+section validates itself in `__post_init__`; the resolved config is written into
+every run folder as `config.toml` and is what `--resume` reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT-2 shape and architecture options."""
+
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    n_embd: int = 128
+    """Width; head size is n_embd / n_head."""
+    block_size: int = 128
+    """Context length T."""
+    vocab_size: int = 256
+    """Token vocabulary (256 for the byte-level embedded corpus, 50304 for GPT-2 BPE)."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm layers, as GPT-2."""
+    qk_norm: bool = False
+    """LayerNorm on each head's q and k before the scores."""
+    qk_clip: float = 0.0
+    """> 0: after each step rescale W_q, W_k of heads whose max logit exceeded this (Kimi's QK-clip)."""
+    gated_attention: bool = False
+    """Sigmoid output gate per head on the attention output (Qwen's gated attention)."""
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd: {self.n_embd} is not divisible by model.n_head = {self.n_head}")
+        if self.qk_clip < 0:
+            raise ValueError(f"model.qk_clip: expected >= 0, got {self.qk_clip}")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Which attention each layer and head uses.
+
+    `layers` maps a layer index (as a string in TOML) to an override table with
+    the same keys; `heads` is a list of head indices computed with `head_precision`.
+    Example: every layer SDPA, layer 2 `paper`, heads 1,7,8 of layer 2 in fp32:
+        backend = "sdpa"
+        [attention.layers.2]
+        backend = "reference"
+        precision = "paper"
+        heads = [1, 7, 8]
+        head_precision = "fp32"
+    """
+
+    backend: str = "auto"
+    """reference | triton | sdpa | math | auto."""
+    precision: str = "fa2"
+    """A preset name (fa2, bf16, paper, fp32, fp64)."""
+    stabilize: str = "none"
+    """none | sfa | sfa-unbounded | clamp."""
+    sfa_beta: float = 2.0
+    sfa_eps: float = 1e-3
+    tiling: bool = True
+    """False: one tile (the seed's tiling-off experiment)."""
+    delta: str = "do_o"
+    """do_o | dp_p | do_o_recomputed."""
+    pv_fp32: bool = False
+    o_fp32: bool = False
+    heads: tuple[int, ...] = ()
+    """Head indices computed with `head_precision`."""
+    head_precision: str = "fp32"
+    layers: dict = field(default_factory=dict)
+    """Per-layer overrides: {"2": {"precision": "paper", ...}}."""
+
+    def __post_init__(self):
+        from stableflash.attention.api import BACKENDS
+        from stableflash.attention.precision import DELTA_FORMULAS, PRESETS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attention.backend: expected one of {BACKENDS}, got {self.backend!r}")
+        if self.precision not in PRESETS:
+            raise ValueError(f"attention.precision: expected one of {sorted(PRESETS)}, got {self.precision!r}")
+        if self.head_precision not in PRESETS:
+            raise ValueError(f"attention.head_precision: expected one of {sorted(PRESETS)}, got {self.head_precision!r}")
+        if self.stabilize not in ("none", "sfa", "sfa-unbounded", "clamp"):
+            raise ValueError(f"attention.stabilize: expected none|sfa|sfa-unbounded|clamp, got {self.stabilize!r}")
+        if self.delta not in DELTA_FORMULAS:
+            raise ValueError(f"attention.delta: expected one of {DELTA_FORMULAS}, got {self.delta!r}")
+        object.__setattr__(self, "heads", tuple(int(h) for h in self.heads))
+        normalized = {str(k): {**t, **({"heads": tuple(int(h) for h in t["heads"])} if "heads" in t else {})}
+                      for k, t in self.layers.items()}
+        object.__setattr__(self, "layers", normalized)
+        valid = {f.name for f in dataclasses.fields(self)} - {"layers"}
+        for layer, table in self.layers.items():
+            if not str(layer).isdigit():
+                raise ValueError(f"attention.layers: keys are layer indices, got {layer!r}")
+            unknown = set(table) - valid
+            if unknown:
+                raise ValueError(f"attention.layers.{layer}: unknown keys {sorted(unknown)}; valid: {sorted(valid)}")
+
+    def for_layer(self, layer: int) -> AttentionConfig:
+        """This config with layer `layer`'s overrides applied (and no per-layer table)."""
+        table = self.layers.get(str(layer), {})
+        return dataclasses.replace(self, layers={}, **table)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule. `max_steps` (in RunConfig) only says where to stop."""
+
+    name: str = "adamw"
+    """adamw | muon (Muon on 2-D hidden weights, AdamW on the rest)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-5
+    warmup_steps: int = 10
+    decay_steps: int = 1000
+    """Length of the cosine decay (ends at min_lr), independent of where the run stops."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+
+    def __post_init__(self):
+        if self.name not in ("adamw", "muon"):
+            raise ValueError(f"optim.name: expected adamw or muon, got {self.name!r}")
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr: expected > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.decay_steps < 1:
+            raise ValueError("optim.warmup_steps must be >= 0 and optim.decay_steps >= 1")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Token memmaps and batch shape."""
+
+    dataset: str = "shakespeare-char"
+    """Folder name under data_dir holding train.bin / val.bin / meta.json."""
+    data_dir: str = "data"
+    batch_size: int = 8
+    """Sequences per micro-batch per process."""
+    grad_accum: int = 1
+    """Micro-batches per step per process."""
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("data.batch_size and data.grad_accum must be >= 1")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The cheap per-N-steps monitor and the early-warning rule."""
+
+    interval: int = 10
+    """Steps between monitor passes (spectral norms, attention stats); 0 disables."""
+    power_iters: int = 4
+    """Power-iteration steps per spectral norm (vectors persist across passes)."""
+    warn_factor: float = 3.0
+    """Warn when a head's repeated-max rows exceed this multiple of their running median."""
+    warn_min_fraction: float = 0.05
+    """...and at least this fraction of its rows."""
+    spike_factor: float = 3.0
+    """Stop when the loss exceeds this multiple of its running median (after warm-up)."""
+    action: str = "none"
+    """On a warning: none | sfa | fp32 (switch that layer) | rollback."""
+
+    def __post_init__(self):
+        if self.action not in ("none", "sfa", "fp32", "rollback"):
+            raise ValueError(f"monitor.action: expected none|sfa|fp32|rollback, got {self.action!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where to stop, how often to evaluate and checkpoint, numerics of the loop."""
+
+    max_steps: int = 100
+    seed: int = 1337
+    dtype: str = "bf16"
+    """Autocast dtype of the forward: bf16 | fp32 (no autocast)."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    eval_interval: int = 50
+    eval_batches: int = 4
+    checkpoint_interval: int = 50
+    log_interval: int = 1
+    deterministic: bool = True
+    """torch.use_deterministic_algorithms (bit-identical reruns on CPU; on GPU as far as torch allows)."""
+    compile: bool = False
+    tensorboard: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.max_steps < 0:
+            raise ValueError(f"run.max_steps: expected >= 0, got {self.max_steps}")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"run.dtype: expected bf16 or fp32, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"run.device: expected auto, cpu or cuda, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return to_toml(self.to_dict())
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+_SECTION_CLASSES = {"model": ModelConfig, "attention": AttentionConfig, "optim": OptimConfig, "data": DataConfig,
+                    "monitor": MonitorConfig, "run": RunConfig}
+
+
+def valid_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)]
+
+
+def from_dict(data: dict) -> TrainConfig:
+    """Build a config, rejecting unknown sections and keys with the list of valid ones."""
+    unknown = set(data) - set(_SECTION_CLASSES)
+    if unknown:
+        raise ValueError(f"config: unknown sections {sorted(unknown)}; valid: {sorted(_SECTION_CLASSES)}")
+    sections = {}
+    for name, cls in _SECTION_CLASSES.items():
+        table = dict(data.get(name, {}))
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = set(table) - names
+        if bad:
+            raise ValueError(f"config: unknown keys {sorted(f'{name}.{k}' for k in bad)}; valid keys: {valid_keys()}")
+        if "heads" in table:
+            table["heads"] = tuple(table["heads"])
+        sections[name] = cls(**table)
+    return TrainConfig(**sections)
+
+
+def _coerce(text: str, annotation):
+    """Parse a --set value by the field's annotated type."""
+    kind = annotation if not isinstance(annotation, str) else eval(annotation, {"tuple": tuple, "dict": dict})  # noqa: S307
+    origin = typing.get_origin(kind)
+    if kind is bool:
+        if text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"expected a bool, got {text!r}")
+    if kind is int:
+        return int(text)
+    if kind is float:
+        return float(text)
+    if origin is tuple or kind is tuple:
+        return tuple(int(x) for x in text.replace("[", "").replace("]", "").split(",") if x.strip())
+    if kind is dict or origin is dict:
+        return json.loads(text)
+    if isinstance(kind, types.UnionType):
+        return text
+    return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `section.key=value` (or `attention.layers.2.precision=paper`) strings to a config dict."""
+    data = json.loads(json.dumps(data))  # deep copy
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set: expected key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if parts[0] == "attention" and len(parts) >= 4 and parts[1] == "layers":
+            layer, sub = parts[2], parts[3]
+            ann = {f.name: f.type for f in dataclasses.fields(AttentionConfig)}.get(sub)
+            if ann is None:
+                raise ValueError(f"--set {key}: unknown key {sub!r}; valid keys: {valid_keys()}")
+            data.setdefault("attention", {}).setdefault("layers", {}).setdefault(layer, {})[sub] = _coerce(value, ann)
+            continue
+        if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
+            raise ValueError(f"--set {key}: unknown key; valid keys: {valid_keys()}")
+        fields_ = {f.name: f.type for f in dataclasses.fields(_SECTION_CLASSES[parts[0]])}
+        if parts[1] not in fields_:
+            raise ValueError(f"--set {key}: unknown key; valid keys: {valid_keys()}")
+        try:
+            data.setdefault(parts[0], {})[parts[1]] = _coerce(value, fields_[parts[1]])
+        except ValueError as error:
+            raise ValueError(f"--set {key}: {error}") from None
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """A config from a TOML file (a path, or a preset name in configs/) plus overrides."""
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists() and (CONFIG_DIR / f"{path}.toml").exists():
+            path = CONFIG_DIR / f"{path}.toml"
+        if not path.exists():
+            presets = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+            raise FileNotFoundError(f"--config: no file {path}; presets in configs/: {presets}")
+        data = tomllib.loads(path.read_text())
+    return from_dict(apply_overrides(data, list(overrides)))
+
+
+def to_toml(data: dict, prefix: str = "") -> str:
+    """Minimal TOML writer for config dicts (scalars, lists, nested tables)."""
+    scalars, tables = [], []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            scalars.append(f"{key} = {_toml_value(value)}")
+    out = "\n".join(scalars)
+    for key, value in tables:
+        name = f"{prefix}.{key}" if prefix else key
+        body = to_toml(value, name)
+        out += f"\n\n[{name}]\n{body}" if not all(isinstance(v, dict) for v in value.values()) or not value else f"\n{body}"
+    return out.strip() + "\n"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))

@@ -1,0 +1,318 @@
+"""The training loop: BF16 autocast over fp32 master weights, accumulation, clipping, DDP,
+atomic checkpoints with bit-exact resume, deterministic replay, metrics and the monitor."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from stableflash.model.gpt import GPT, LayerAttention
+from stableflash.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from stableflash.train.config import TrainConfig
+from stableflash.train.data import ReplayLog, TokenData, batch_offsets, gather
+from stableflash.train.monitor import Monitor
+from stableflash.train.optim import build_optimizers, set_lr
+
+
+class _StopSignal:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step, so it checkpoints and exits."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _distributed() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's environment; initialises the process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, 0
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _provenance(cfg: TrainConfig, device: torch.device) -> dict:
+    def sh(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+            "commit": sh("git", "rev-parse", "HEAD"), "diff": sh("git", "diff", "--stat"),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["nvidia_smi"] = sh("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv")
+    return info
+
+
+class Trainer:
+    """One run in one folder. `run()` trains from the current step to `cfg.run.max_steps`."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.rank, self.world, local_rank = _distributed()
+        self.device = _device(cfg, local_rank)
+        self.is_main = self.rank == 0
+        if cfg.run.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.manual_seed(cfg.run.seed)
+        self.data = TokenData(cfg.data.data_dir, cfg.data.dataset)
+        if self.data.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's {self.data.vocab_size}")
+        self.model = GPT(cfg.model, cfg.attention).to(self.device)
+        self.ddp = None
+        if self.world > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizers = build_optimizers(self.model, cfg.optim)
+        self.step = 0
+        self.replay = ReplayLog(Path(replay) / "batches.jsonl") if replay else None
+        if self.replay is not None and not self.replay.recorded:
+            raise FileNotFoundError(f"--replay: {replay} has no recorded batches (batches.jsonl)")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self._load()
+        self.batch_log = ReplayLog(self.run_dir / "batches.jsonl") if self.is_main else None
+        self.monitor = Monitor(cfg.monitor, self.model, self.run_dir, enabled=self.is_main)
+        self.tensorboard = None
+        if self.is_main:
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+            if not resume:
+                (self.run_dir / "run.json").write_text(json.dumps(_provenance(cfg, self.device), indent=2))
+                for name in ("metrics.jsonl", "monitor.jsonl", "events.jsonl"):
+                    (self.run_dir / name).write_text("")
+            if cfg.run.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tensorboard = SummaryWriter(str(self.run_dir / "tb"))
+
+    # -- state ----------------------------------------------------------------------
+
+    def _state(self) -> dict:
+        return {"step": self.step, "model": self.model.state_dict(),
+                "optimizers": [o.state_dict() for o in self.optimizers], "rng": rng_state(),
+                "data_cursor": {"next_step": self.step, "seed": self.cfg.run.seed},
+                "attention": [a.attention for a in self.model.attentions], "config": self.cfg.to_dict()}
+
+    def save(self) -> None:
+        if self.is_main:
+            save_checkpoint(self.run_dir, self._state())
+        if self.world > 1:
+            dist.barrier()
+
+    def _load(self) -> None:
+        state = load_checkpoint(self.run_dir, map_location=self.device)
+        self.model.load_state_dict(state["model"])
+        for opt, s in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(s)
+        for attn, layer_attention in zip(self.model.attentions, state.get("attention", [])):
+            attn.attention = layer_attention
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        # drop log lines of steps after the checkpoint: they are recomputed, bit for bit
+        for name in ("metrics.jsonl", "monitor.jsonl"):
+            path = self.run_dir / name
+            if path.exists() and self.is_main:
+                keep = [line for line in path.read_text().splitlines()
+                        if line.strip() and json.loads(line).get("step", 0) <= self.step]
+                path.write_text("".join(line + "\n" for line in keep))
+
+    # -- data -----------------------------------------------------------------------
+
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.cfg.data.batch_size * self.cfg.data.grad_accum
+
+    def batch_offsets(self, step: int):
+        """All of this step's sequence offsets (every rank's), replayed or drawn."""
+        if self.replay is not None:
+            offsets = self.replay.offsets(step)
+            if len(offsets) != self.global_batch:
+                raise ValueError(f"--replay: step {step} recorded {len(offsets)} sequences, this run needs "
+                                 f"{self.global_batch} (world x data.batch_size x data.grad_accum)")
+            return offsets
+        return batch_offsets(self.cfg.run.seed, step, self.global_batch, self.cfg.model.block_size,
+                             len(self.data.splits["train"]))
+
+    def micro_batches(self, step: int):
+        offsets = self.batch_offsets(step)
+        if self.batch_log is not None:
+            self.batch_log.record(step, offsets)
+        per_rank = self.cfg.data.batch_size * self.cfg.data.grad_accum
+        mine = offsets[self.rank * per_rank:(self.rank + 1) * per_rank]
+        bs = self.cfg.data.batch_size
+        for i in range(self.cfg.data.grad_accum):
+            x, y = gather(self.data.splits["train"], mine[i * bs:(i + 1) * bs], self.cfg.model.block_size)
+            yield x.to(self.device), y.to(self.device)
+
+    def _autocast(self):
+        enabled = self.cfg.run.dtype == "bf16"
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = 0.0
+        val = self.data.splits["val"]
+        for i in range(self.cfg.run.eval_batches):
+            offsets = batch_offsets(self.cfg.run.seed, i, self.cfg.data.batch_size, self.cfg.model.block_size,
+                                    len(val), split="val")
+            x, y = gather(val, offsets, self.cfg.model.block_size)
+            with self._autocast():
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+            total += loss.item()
+        self.model.train()
+        return total / self.cfg.run.eval_batches
+
+    # -- the loop -------------------------------------------------------------------
+
+    def _log(self, name: str, record: dict) -> None:
+        if self.is_main:
+            with (self.run_dir / name).open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def train_step(self, step: int) -> tuple[float, float, tuple]:
+        cfg = self.cfg
+        lr = set_lr(self.optimizers, cfg.optim, step)
+        module = self.ddp if self.ddp is not None else self.model
+        total = torch.zeros((), device=self.device)
+        last = None
+        for i, (x, y) in enumerate(self.micro_batches(step)):
+            sync = self.ddp is None or i == cfg.data.grad_accum - 1
+            with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self._autocast():
+                _, loss = module(x, y)
+            (loss / cfg.data.grad_accum).backward()
+            total += loss.detach() / cfg.data.grad_accum
+            last = (x, y)
+        if self.world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if cfg.model.qk_clip > 0:
+            for attn in self.model.attentions:
+                attn.apply_qk_clip(cfg.model.qk_clip)
+        return total.item(), grad_norm.item(), lr, last
+
+    def _dump(self, reason: str, batch) -> None:
+        dump = self.run_dir / "dump"
+        dump.mkdir(exist_ok=True)
+        torch.save({"x": batch[0].cpu(), "y": batch[1].cpu()}, dump / "batch.pt")
+        last = load_checkpoint(self.run_dir)["step"] if (self.run_dir / "checkpoint.pt").exists() else None
+        (dump / "info.json").write_text(json.dumps({"reason": reason, "step": self.step, "last_checkpoint_step": last,
+                                                    "monitor_history": "monitor.jsonl"}, indent=2))
+
+    def _intervene(self, event: dict) -> None:
+        action = self.cfg.monitor.action
+        if action == "none":
+            return
+        layer = event["layer"]
+        current = self.model.attentions[layer].attention
+        base = dataclasses.replace(self.cfg.attention.for_layer(layer),
+                                   backend="reference" if current.backend in ("sdpa", "math") else current.backend)
+        if action in ("sfa", "rollback"):
+            new = LayerAttention.from_config(dataclasses.replace(base, stabilize="sfa"))
+        else:
+            new = LayerAttention.from_config(dataclasses.replace(base, precision="fp32", stabilize="none", heads=()))
+        if action == "rollback" and (self.run_dir / "checkpoint.pt").exists():
+            self._load()
+        self.model.set_layer_attention(layer, new)
+        self._log("events.jsonl", {"step": self.step, "kind": "action", "action": action, "layer": layer,
+                                   "attention": new.describe()})
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        tokens_per_step = self.global_batch * cfg.model.block_size
+        progress = None
+        if self.is_main and cfg.run.progress:
+            from tqdm.auto import tqdm
+            progress = tqdm(total=cfg.run.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
+        stop_reason = "max_steps"
+        with _StopSignal() as stop:
+            while self.step < cfg.run.max_steps:
+                started = time.perf_counter()
+                monitored = self.monitor.due(self.step)
+                if monitored:
+                    self.monitor.arm(self.model)
+                loss, grad_norm, lr, batch = self.train_step(self.step)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - started
+                self.step += 1
+                record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                          "tokens_per_s": tokens_per_step / elapsed}
+                self._log("metrics.jsonl", record)
+                if self.tensorboard is not None:
+                    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                        self.tensorboard.add_scalar(f"train/{key}", record[key], self.step)
+                if progress is not None:
+                    progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    progress.update(1)
+                if monitored and self.is_main:
+                    entry, events = self.monitor.observe(self.step, self.model, loss)
+                    self._log("monitor.jsonl", entry)
+                    for event in events:
+                        self._log("events.jsonl", event)
+                        self._intervene(event)
+                reason = self.monitor.check_loss(self.step, loss, cfg.optim.warmup_steps) if self.is_main else None
+                if reason is not None:
+                    self._log("events.jsonl", {"step": self.step, "kind": "stop", "reason": reason})
+                    self._dump(reason, batch)
+                    stop_reason = reason
+                    break
+                if cfg.run.eval_interval and self.step % cfg.run.eval_interval == 0:
+                    val = self.evaluate()
+                    self._log("metrics.jsonl", {"step": self.step, "val_loss": val})
+                    if self.tensorboard is not None:
+                        self.tensorboard.add_scalar("val/loss", val, self.step)
+                if cfg.run.checkpoint_interval and self.step % cfg.run.checkpoint_interval == 0:
+                    self.save()
+                if stop.received is not None:
+                    stop_reason = f"signal {stop.received}"
+                    break
+        if progress is not None:
+            progress.close()
+        if not stop_reason.startswith(("loss", "loss spike")):
+            self.save()  # a run always checkpoints when it stops
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        return {"step": self.step, "stop_reason": stop_reason, "run_dir": str(self.run_dir)}
+
+
+def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None) -> dict:
+    return Trainer(cfg, run_dir, resume=resume, replay=replay).run()

@@ -1,0 +1,124 @@
+"""The training monitor: per-head spectral norms, attention counters, spikes, early warnings.
+
+Every `interval` steps it arms `AttentionStats` on the layers whose backend can
+count, then after the step records per layer and head: spectral norms of
+W_Q/W_K/W_V/W_O (power iteration with persistent vectors, so a few iterations
+per pass suffice), repeated-max rows, P̄ = 1 entries and the max logit. Records go
+to `monitor.jsonl`; warnings and stops to `events.jsonl`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from stableflash.attention.stats import AttentionStats
+
+COUNTING_BACKENDS = ("reference", "math", "auto", "triton")
+MATRICES = ("q", "k", "v", "o")
+
+
+def head_matrices(model) -> dict[str, torch.Tensor]:
+    """Per-head weight matrices, each (n_layer * n_head, rows, cols), detached fp32."""
+    cfg = model.config
+    C, H = cfg.n_embd, cfg.n_head
+    hd = C // H
+    out = {m: [] for m in MATRICES}
+    for attn in model.attentions:
+        w = attn.c_attn.weight.detach().float()
+        for i, m in enumerate(("q", "k", "v")):
+            out[m].append(w[i * C:(i + 1) * C].view(H, hd, C))
+        out["o"].append(attn.c_proj.weight.detach().float().view(C, H, hd).permute(1, 0, 2))  # (H, C, hd)
+    return {m: torch.cat(v) for m, v in out.items()}
+
+
+class SpectralNorms:
+    """Batched power iteration with vectors kept between calls."""
+
+    def __init__(self, iters: int = 4):
+        self.iters = iters
+        self.vectors: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def __call__(self, model) -> dict[str, torch.Tensor]:
+        norms = {}
+        for name, w in head_matrices(model).items():
+            v = self.vectors.get(name)
+            if v is None or v.shape != (w.shape[0], w.shape[2]) or v.device != w.device:
+                g = torch.Generator(device="cpu").manual_seed(0)
+                v = torch.randn(w.shape[0], w.shape[2], generator=g).to(w.device)
+            for _ in range(self.iters):
+                u = torch.nn.functional.normalize(torch.einsum("brc,bc->br", w, v), dim=-1)
+                v = torch.nn.functional.normalize(torch.einsum("brc,br->bc", w, u), dim=-1)
+            self.vectors[name] = v
+            norms[name] = torch.einsum("brc,bc->br", w, v).norm(dim=-1)
+        return norms
+
+
+class Monitor:
+    def __init__(self, cfg, model, run_dir: Path, enabled: bool = True):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.enabled = enabled and cfg.interval > 0
+        self.spectral = SpectralNorms(cfg.power_iters)
+        self.losses: deque[float] = deque(maxlen=50)
+        self.history: dict[tuple[int, int], deque[float]] = {}
+        self.n_head = model.config.n_head
+        self.armed = False
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.cfg.interval == 0
+
+    def arm(self, model) -> None:
+        """Attach fresh stats to every layer whose backend can count."""
+        for attn in model.attentions:
+            if attn.attention.backend in COUNTING_BACKENDS:
+                attn.stats = AttentionStats(self.n_head)
+        self.armed = True
+
+    def _disarm(self, model) -> list[dict | None]:
+        stats = []
+        for attn in model.attentions:
+            stats.append(attn.stats.to_dict() if attn.stats is not None else None)
+            attn.stats = None
+        self.armed = False
+        return stats
+
+    def check_loss(self, step: int, loss: float, warmup_steps: int) -> str | None:
+        """A reason to stop (NaN/inf loss, or a spike), or None."""
+        if not math.isfinite(loss):
+            return f"loss is {loss} at step {step}"
+        reason = None
+        if step > warmup_steps and len(self.losses) >= 10:
+            median = statistics.median(self.losses)
+            if loss > self.cfg.spike_factor * median:
+                reason = f"loss spike at step {step}: {loss:.4g} > {self.cfg.spike_factor} x running median {median:.4g}"
+        self.losses.append(loss)
+        return reason
+
+    def observe(self, step: int, model, loss: float) -> tuple[dict, list[dict]]:
+        """After a monitored step: one record and the early-warning events it raised."""
+        norms = self.spectral(model)
+        stats = self._disarm(model)
+        L, H = model.config.n_layer, self.n_head
+        record = {"step": step, "loss": loss,
+                  "spectral": {m: norms[m].view(L, H).tolist() for m in MATRICES}, "attention": stats}
+        events = []
+        for layer, s in enumerate(stats):
+            if s is None:
+                continue
+            for head in range(H):
+                rows = max(1, s["rows"][head])
+                fraction = s["repeated_max_rows"][head] / rows
+                past = self.history.setdefault((layer, head), deque(maxlen=20))
+                if len(past) >= 3:
+                    median = statistics.median(past)
+                    if fraction > self.cfg.warn_factor * max(median, 1e-12) and fraction >= self.cfg.warn_min_fraction:
+                        events.append({"step": step, "kind": "warning", "layer": layer, "head": head,
+                                       "repeated_max_fraction": fraction, "running_median": median,
+                                       "wq_spectral_norm": record["spectral"]["q"][layer][head]})
+                past.append(fraction)
+        return record, events

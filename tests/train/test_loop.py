@@ -1,0 +1,136 @@
+"""The trainer, run for real: it learns, resumes bit-exactly, replays, survives kills, runs under torchrun."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stableflash.cli import main
+from stableflash.train.checkpoint import load_checkpoint, save_checkpoint
+from stableflash.train.demo import read_jsonl
+from stableflash.train.loop import train
+
+
+def losses(run: Path) -> list[float]:
+    return [m["loss"] for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
+
+
+def test_train_cli_40_steps_finite_and_falling(tmp_path, data_dir):
+    run = tmp_path / "run"
+    assert main(["train", "--config", "configs/tiny-cpu.toml", "--out", str(run), "--set", "run.max_steps=40",
+                 "--set", f"data.data_dir={data_dir}", "--set", "run.progress=false"]) == 0
+    values = losses(run)
+    assert len(values) == 40 and all(math.isfinite(v) for v in values)
+    assert sum(values[-5:]) / 5 < values[0] - 1.0
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(metrics[0])
+    assert any("val_loss" in m for m in metrics)
+    assert (run / "config.toml").exists() and (run / "checkpoint.pt").exists() and (run / "run.json").exists()
+    assert load_checkpoint(run)["step"] == 40
+
+
+def test_resume_is_bit_exact(tmp_path, tiny):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(tiny("run.max_steps=20", "run.checkpoint_interval=0"), straight)
+    train(tiny("run.max_steps=10", "run.checkpoint_interval=0"), split)
+    assert main(["train", "--resume", str(split), "--set", "run.max_steps=20"]) == 0
+    a, b = losses(straight), losses(split)
+    assert len(b) == 20 and a[10:20] == b[10:20]
+    assert [m["step"] for m in read_jsonl(split / "metrics.jsonl") if "loss" in m] == list(range(1, 21))
+
+
+def test_two_runs_are_bit_identical_and_schedule_ignores_max_steps(tmp_path, tiny):
+    train(tiny("run.max_steps=8"), tmp_path / "a")
+    train(tiny("run.max_steps=12"), tmp_path / "b")
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")[:8]
+    lrs = lambda run: [m["lr"] for m in read_jsonl(run / "metrics.jsonl") if "lr" in m]  # noqa: E731
+    assert lrs(tmp_path / "a") == lrs(tmp_path / "b")[:8]
+
+
+def test_replay_sees_the_same_batches(tmp_path, tiny):
+    train(tiny("run.max_steps=6"), tmp_path / "a")
+    train(tiny("run.max_steps=6", "run.seed=99", "attention.stabilize=sfa"), tmp_path / "b", replay=tmp_path / "a")
+    assert (tmp_path / "a" / "batches.jsonl").read_text() == (tmp_path / "b" / "batches.jsonl").read_text()
+    train(tiny("run.max_steps=6", "run.seed=99"), tmp_path / "c")
+    assert (tmp_path / "c" / "batches.jsonl").read_text() != (tmp_path / "a" / "batches.jsonl").read_text()
+    with pytest.raises(ValueError, match="recorded no batch for step 6"):
+        train(tiny("run.max_steps=8"), tmp_path / "d", replay=tmp_path / "a")
+
+
+def test_missing_data_names_the_prepare_command(tmp_path, tiny):
+    with pytest.raises(FileNotFoundError, match="stableflash prepare --dataset shakespeare-char"):
+        train(tiny(f"data.data_dir={tmp_path}"), tmp_path / "run")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_both_optimizers_train(tmp_path, tiny, optimizer):
+    train(tiny("run.max_steps=30", f"optim.name={optimizer}"), tmp_path / optimizer)
+    values = losses(tmp_path / optimizer)
+    assert sum(values[-5:]) / 5 < values[0] - 1.0
+
+
+_KILL_WRITER = """
+import sys, torch
+from pathlib import Path
+from stableflash.train.checkpoint import save_checkpoint
+run = Path(sys.argv[1])
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    save_checkpoint(run, {"step": i, "blob": torch.randn(4_000_000)})
+"""
+
+
+def test_sigkill_during_checkpoint_write_leaves_a_loadable_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, {"step": 0, "blob": torch.zeros(10)})
+    for delay in (0.3, 0.7, 1.1):
+        proc = subprocess.Popen([sys.executable, "-c", _KILL_WRITER, str(tmp_path)], stdout=subprocess.PIPE)
+        proc.stdout.readline()
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        state = load_checkpoint(tmp_path)
+        assert isinstance(state["step"], int)
+    leftovers = list(tmp_path.glob("*.tmp*"))
+    assert all(p.name.startswith("checkpoint.pt.tmp") for p in leftovers)
+
+
+def test_sigterm_checkpoints_and_exits(tmp_path, data_dir):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stableflash", "train", "--config", "configs/tiny-cpu.toml", "--out", str(run),
+           "--set", "run.max_steps=100000", "--set", f"data.data_dir={data_dir}", "--set", "run.progress=false",
+           "--set", "run.checkpoint_interval=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not (run / "metrics.jsonl").exists() or len(losses(run)) < 5):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stop_reason"] == f"signal {int(signal.SIGTERM)}"
+    assert load_checkpoint(run)["step"] == summary["step"] >= 5
+
+
+def test_torchrun_two_processes_match_one(tmp_path, data_dir):
+    common = ["--config", "configs/tiny-cpu.toml", "--set", "run.max_steps=5", "--set", f"data.data_dir={data_dir}",
+              "--set", "run.progress=false", "--set", "attention.backend=sdpa", "--set", "attention.precision=fa2",
+              "--set", "run.dtype=fp32", "--set", "monitor.interval=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "stableflash", "train", "--out", str(tmp_path / "two"), *common,
+                          "--set", "data.batch_size=4"], env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert main(["train", "--out", str(tmp_path / "one"), *common, "--set", "data.batch_size=4",
+                 "--set", "data.grad_accum=2"]) == 0
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(a) == len(b) == 5
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
