@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -61,7 +62,8 @@ def main():
         torch.cuda.empty_cache()
     for row in rows:
         row["ratio_to_" + rows[0]["setting"]] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = os.environ.get("STABLEFLASH_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "commit": commit, "shape": "GPT-2 S (12L/12H/768), T=1024, 16 sequences/step, bf16 autocast, eager",
             "data": "embedded Shakespeare, byte-level (vocab 256)"}
