@@ -128,6 +128,9 @@ def flash_attention(
             raise ValueError("stats: backend 'sdpa' cannot count; use 'math', 'reference' or 'triton'")
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if backend == "triton":
+        if not triton_available(q):
+            raise ValueError("backend: 'triton' needs a CUDA tensor and the fused kernels (stableflash.attention.triton), "
+                             "which are not available here; use backend='reference' or 'auto'")
         from stableflash.attention import triton as triton_backend
         return triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy,
                                         stabilize=stabilize, stats=stats)
