@@ -292,10 +292,10 @@ def reference_attention(q, k, v, *, scale: float, causal: bool, policy: Precisio
 
 
 def forward_and_delta(q, k, v, dout, *, scale: float | None = None, causal: bool = True,
-                      policy: Precision, stabilize=None) -> tuple[torch.Tensor, torch.Tensor]:
+                      policy: Precision, stabilize=None, stats: AttentionStats | None = None):
     """(O, δ) as the policy's forward and backward compute them; δ has shape (B, H, T)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy, stabilize=stabilize)
+    out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy, stabilize=stabilize, stats=stats)
     r = _Rounder(policy, q.dtype)
     delta = _delta(r, q, k, v, o_saved, lse, dout.to(out.dtype), scale, causal)
     return out, delta.squeeze(-1)

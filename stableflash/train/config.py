@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,9 +261,8 @@ def from_dict(data: dict) -> TrainConfig:
     return TrainConfig(**sections)
 
 
-def _coerce(text: str, annotation):
-    """Parse a --set value by the field's annotated type."""
-    kind = annotation if not isinstance(annotation, str) else eval(annotation, {"tuple": tuple, "dict": dict})  # noqa: S307
+def _coerce(text: str, kind):
+    """Parse a --set value by the field's type."""
     origin = typing.get_origin(kind)
     if kind is bool:
         if text.lower() in ("true", "1", "yes", "on"):
@@ -280,8 +278,6 @@ def _coerce(text: str, annotation):
         return tuple(int(x) for x in text.replace("[", "").replace("]", "").split(",") if x.strip())
     if kind is dict or origin is dict:
         return json.loads(text)
-    if isinstance(kind, types.UnionType):
-        return text
     return text
 
 
@@ -293,16 +289,21 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ValueError(f"--set: expected key=value, got {item!r}")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
+        if len(parts) == 1:  # a bare key is accepted when exactly one section has it
+            owners = [name for name, cls in _SECTION_CLASSES.items()
+                      if parts[0] in {f.name for f in dataclasses.fields(cls)}]
+            if len(owners) == 1:
+                parts = [owners[0], parts[0]]
         if parts[0] == "attention" and len(parts) >= 4 and parts[1] == "layers":
             layer, sub = parts[2], parts[3]
-            ann = {f.name: f.type for f in dataclasses.fields(AttentionConfig)}.get(sub)
+            ann = typing.get_type_hints(AttentionConfig).get(sub)
             if ann is None:
                 raise ValueError(f"--set {key}: unknown key {sub!r}; valid keys: {valid_keys()}")
             data.setdefault("attention", {}).setdefault("layers", {}).setdefault(layer, {})[sub] = _coerce(value, ann)
             continue
         if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
             raise ValueError(f"--set {key}: unknown key; valid keys: {valid_keys()}")
-        fields_ = {f.name: f.type for f in dataclasses.fields(_SECTION_CLASSES[parts[0]])}
+        fields_ = typing.get_type_hints(_SECTION_CLASSES[parts[0]])
         if parts[1] not in fields_:
             raise ValueError(f"--set {key}: unknown key; valid keys: {valid_keys()}")
         try:

@@ -204,7 +204,8 @@ class Trainer:
             with (self.run_dir / name).open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def train_step(self, step: int) -> tuple[float, float, tuple]:
+    def train_step(self, step: int) -> tuple[float, float, float, tuple]:
+        """One optimizer step; returns (loss, grad norm before clipping, lr, last micro-batch)."""
         cfg = self.cfg
         lr = set_lr(self.optimizers, cfg.optim, step)
         module = self.ddp if self.ddp is not None else self.model

@@ -23,6 +23,7 @@ def test_presets_load_and_gpt2s_has_the_seed_hyperparameters():
 def test_overrides_roundtrip_and_unknown_keys():
     cfg = load_config("tiny-cpu", ["optim.lr=3e-4", "attention.layers.1.precision=fp32", "attention.layers.1.heads=0,1"])
     assert cfg.optim.lr == 3e-4 and cfg.attention.for_layer(1).heads == (0, 1)
+    assert load_config("tiny-cpu", ["max_steps=40"]).run.max_steps == 40  # bare keys, when unambiguous
     assert from_dict(tomllib.loads(cfg.to_toml())) == cfg
     with pytest.raises(ValueError, match="valid keys: .*optim.lr"):
         load_config("tiny-cpu", ["optim.learning_rate=1"])

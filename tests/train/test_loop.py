@@ -24,7 +24,7 @@ def losses(run: Path) -> list[float]:
 
 def test_train_cli_40_steps_finite_and_falling(tmp_path, data_dir):
     run = tmp_path / "run"
-    assert main(["train", "--config", "configs/tiny-cpu.toml", "--out", str(run), "--set", "run.max_steps=40",
+    assert main(["train", "--config", "configs/tiny-cpu.toml", "--out", str(run), "--set", "max_steps=40",
                  "--set", f"data.data_dir={data_dir}", "--set", "run.progress=false"]) == 0
     values = losses(run)
     assert len(values) == 40 and all(math.isfinite(v) for v in values)
