@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from stableflash.train.config import load_config
-from stableflash.train.data import TokenData, prepare_embedded
+from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl
 from stableflash.train.loop import train
 
@@ -40,10 +40,7 @@ def main():
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     data_dir = args.out / "data"
-    try:
-        TokenData(data_dir, "shakespeare-char")
-    except FileNotFoundError:
-        prepare_embedded(data_dir / "shakespeare-char")
+    ensure_embedded(data_dir)
     shape = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024",
              "model.vocab_size=256", "data.batch_size=16", "run.eval_interval=0", "run.checkpoint_interval=0",
              "monitor.interval=0", "run.deterministic=false", "run.device=cuda", "run.progress=false",

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from stableflash.train.config import load_config
-from stableflash.train.data import TokenData, prepare_embedded
+from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl
 from stableflash.train.loop import train
 
@@ -70,10 +70,7 @@ def main():
     parser.add_argument("--budget-s", type=float, default=480)
     args = parser.parse_args()
     data_dir = args.out / "data"
-    try:
-        TokenData(data_dir, "shakespeare-char")
-    except FileNotFoundError:
-        prepare_embedded(data_dir / "shakespeare-char")
+    ensure_embedded(data_dir)
     cells = [c.split(",") if c else [] for c in args.grid.split(";")]
     started = time.time()
     results = {"command": "python scripts/sweep.py " + shlex.join(sys.argv[1:]), "runs": []}

@@ -46,6 +46,15 @@ def prepare_embedded(out_dir: Path, val_fraction: float = 0.05) -> dict:
                          {"dataset": "shakespeare-char", "tokenizer": "bytes", "vocab_size": 256})
 
 
+def ensure_embedded(data_dir: Path) -> TokenData:
+    """The embedded corpus under data_dir, prepared on first use."""
+    try:
+        return TokenData(data_dir, "shakespeare-char")
+    except FileNotFoundError:
+        prepare_embedded(Path(data_dir) / "shakespeare-char")
+        return TokenData(data_dir, "shakespeare-char")
+
+
 def gpt2_encoder() -> Callable[[str], list[int]]:
     """tiktoken's GPT-2 BPE, with the end-of-text token appended per document."""
     import tiktoken

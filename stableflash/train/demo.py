@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from stableflash.train.config import load_config
-from stableflash.train.data import TokenData, prepare_embedded
+from stableflash.train.data import ensure_embedded
 from stableflash.train.loop import train
 
 SETTINGS = {
@@ -107,10 +107,7 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #999;padding:4px 8px}}<
 
 def train_demo(out: Path, steps: int = 600) -> Path:
     data_dir = out / "data"
-    try:
-        TokenData(data_dir, "shakespeare-char")
-    except FileNotFoundError:
-        prepare_embedded(data_dir / "shakespeare-char")
+    ensure_embedded(data_dir)
     runs = {}
     first = None
     started = time.time()
