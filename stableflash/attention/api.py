@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -59,12 +60,14 @@ def _math_attention(q, k, v, scale, causal, stats):
 
 
 def triton_available(q: torch.Tensor) -> bool:
-    """Whether the fused Triton kernel exists for these inputs (a later layer provides it)."""
+    """Whether the fused Triton kernels can run on these inputs (CUDA, Triton installed, head dim and dtype)."""
+    if not q.is_cuda:
+        return False
     try:
-        from stableflash.attention import triton as triton_backend  # noqa: F401
+        from stableflash.attention import triton as triton_backend
     except ImportError:
         return False
-    return q.is_cuda and triton_backend.supports(q)
+    return triton_backend.supports(q)
 
 
 def flash_attention(
@@ -116,7 +119,7 @@ def flash_attention(
         stats.check(q.shape[1])
 
     if backend == "auto":
-        backend = "triton" if triton_available(q) and _triton_supports(policy, stabilize) else "reference"
+        backend = "triton" if triton_available(q) and _triton_supports(policy, stabilize, q.dtype) else "reference"
     if backend in ("math", "sdpa"):
         if stabilize is not None:
             raise ValueError(f"stabilize: backend {backend!r} computes plain softmax; use backend='reference' or 'triton'")
@@ -128,15 +131,16 @@ def flash_attention(
             raise ValueError("stats: backend 'sdpa' cannot count; use 'math', 'reference' or 'triton'")
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if backend == "triton":
-        if not triton_available(q):
-            raise ValueError("backend: 'triton' needs a CUDA tensor and the fused kernels (stableflash.attention.triton), "
-                             "which are not available here; use backend='reference' or 'auto'")
+        if not q.is_cuda or importlib.util.find_spec("triton") is None:
+            raise ValueError("backend: 'triton' needs CUDA tensors and the triton package; "
+                             "use backend='reference' or 'auto'")
         from stableflash.attention import triton as triton_backend
+        triton_backend.check(q, policy, stabilize)
         return triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy,
                                         stabilize=stabilize, stats=stats)
     return reference_attention(q, k, v, scale=scale, causal=causal, policy=policy, stabilize=stabilize, stats=stats)
 
 
-def _triton_supports(policy: Precision, stabilize) -> bool:
+def _triton_supports(policy: Precision, stabilize, dtype: torch.dtype) -> bool:
     from stableflash.attention import triton as triton_backend
-    return triton_backend.supports_policy(policy, stabilize)
+    return triton_backend.supports_policy(policy, stabilize, dtype)

@@ -266,11 +266,14 @@ class ReferenceAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
-def reference_attention(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize=None,
-                        stats: AttentionStats | None = None) -> torch.Tensor:
-    """Reference attention with per-head policy overrides resolved."""
+def split_heads(q, k, v, policy: Precision, run):
+    """Resolve a per-head override: `run(q, k, v, policy, heads)` on each group of heads, outputs re-interleaved.
+
+    `heads` is the index tensor of the group (or `slice(None)` when there is no override),
+    so per-head statistics land on the right heads.
+    """
     if policy.head_override is None:
-        return ReferenceAttention.apply(q, k, v, scale, causal, policy, stabilize, stats, slice(None))
+        return run(q, k, v, policy, slice(None))
     heads, other = policy.head_override
     H = q.shape[1]
     if any(h >= H for h in heads):
@@ -282,13 +285,19 @@ def reference_attention(q, k, v, *, scale: float, causal: bool, policy: Precisio
     for idx, pol in ((rest, base), (chosen, other)):
         if idx.numel() == 0:
             continue
-        sub = [t.index_select(1, idx) for t in (q, k, v)]
-        parts.append(ReferenceAttention.apply(*sub, scale, causal, pol, stabilize, stats, idx))
+        parts.append(run(*(t.index_select(1, idx) for t in (q, k, v)), pol, idx))
         index.append(idx)
     out_dtype = parts[0].dtype if rest.numel() else parts[-1].dtype
     combined = torch.cat([p.to(out_dtype) for p in parts], dim=1)
     inverse = torch.argsort(torch.cat(index))
     return combined.index_select(1, inverse)
+
+
+def reference_attention(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize=None,
+                        stats: AttentionStats | None = None) -> torch.Tensor:
+    """Reference attention with per-head policy overrides resolved."""
+    return split_heads(q, k, v, policy, lambda q, k, v, pol, heads: ReferenceAttention.apply(
+        q, k, v, scale, causal, pol, stabilize, stats, heads))
 
 
 def forward_and_delta(q, k, v, dout, *, scale: float | None = None, causal: bool = True,

@@ -98,6 +98,9 @@ class Trainer:
         if self.world > 1:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.train_module = self.ddp if self.ddp is not None else self.model
+        if cfg.run.compile:  # the fused attention is a custom op, so the whole model traces as one graph
+            self.train_module = torch.compile(self.train_module)
         self.optimizers = build_optimizers(self.model, cfg.optim)
         self.step = 0
         self.replay = ReplayLog(Path(replay) / "batches.jsonl") if replay else None
@@ -208,7 +211,7 @@ class Trainer:
         """One optimizer step; returns (loss, grad norm before clipping, lr, last micro-batch)."""
         cfg = self.cfg
         lr = set_lr(self.optimizers, cfg.optim, step)
-        module = self.ddp if self.ddp is not None else self.model
+        module = self.train_module
         total = torch.zeros((), device=self.device)
         last = None
         for i, (x, y) in enumerate(self.micro_batches(step)):

@@ -38,7 +38,7 @@ def test_triton_backend_refuses_without_gpu():
     q, k, v = _qkv(1, 2, 8, 16)
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
-    with pytest.raises(ValueError, match="backend: 'triton' needs a CUDA tensor"):
+    with pytest.raises(ValueError, match="backend: 'triton' needs CUDA tensors"):
         flash_attention(q, k, v, backend="triton")
 
 

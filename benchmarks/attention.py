@@ -1,0 +1,121 @@
+"""Attention TFLOP/s: our fused kernels against torch SDPA's backends and a plain-PyTorch tiled version.
+
+Causal, bf16. Forward FLOPs 4·B·H·T²·D/2, forward+backward 3.5x that; median of
+`triton.testing.do_bench` over fresh random inputs. Prints a table and writes JSON:
+
+    python benchmarks/attention.py --out results/attention-bench-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from stableflash import SFA, AttentionStats, flash_attention
+
+SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
+
+
+def _ours(**kw):
+    return lambda q, k, v: flash_attention(q, k, v, backend="triton", **kw)
+
+
+def _sdpa(backend):
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return run
+
+
+def implementations(num_heads):
+    stats = AttentionStats(num_heads)
+    return {
+        "stableflash": _ours(),
+        "stableflash-sfa": _ours(stabilize=SFA()),
+        "stableflash-sfa-stats": _ours(stabilize=SFA(), stats=stats),
+        "stableflash-paper": _ours(precision="paper"),
+        "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "torch-tiled-bf16": lambda q, k, v: flash_attention(q, k, v, backend="reference", precision="bf16"),
+        # the same preset as stableflash-paper, for the emulation-speed ratio
+        "torch-tiled-paper": lambda q, k, v: flash_attention(q, k, v, backend="reference", precision="paper"),
+    }
+
+
+def measure(fn, shape, backward: bool) -> float:
+    """Median milliseconds of fn (forward, or forward+backward) on fresh random inputs."""
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3))
+    if not backward:
+        with torch.no_grad():
+            return triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    return triton.testing.do_bench(lambda: fn(q, k, v).backward(dout), warmup=25, rep=100,
+                                   grad_to_none=[q, k, v], return_mode="median")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/attention-bench-h200.json"))
+    parser.add_argument("--impls", default=None, help="comma-separated subset of the implementations")
+    parser.add_argument("--shapes", default=None, help="e.g. 16,12,1024,64;4,12,4096,64")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    rows = []
+    for shape in shapes:
+        B, H, T, D = shape
+        fwd_flops = 4 * B * H * T * T * D / 2
+        impls = implementations(H)
+        for name in (args.impls.split(",") if args.impls else impls):
+            row = {"shape": list(shape), "impl": name}
+            for key, backward, flops in (("fwd_tflops", False, fwd_flops), ("fwdbwd_tflops", True, 3.5 * fwd_flops)):
+                try:
+                    ms = measure(impls[name], shape, backward)
+                    row[key] = flops / (ms * 1e-3) / 1e12
+                except (RuntimeError, torch.OutOfMemoryError) as error:  # e.g. a backend that refuses the shape
+                    row[key] = None
+                    row.setdefault("error", str(error).splitlines()[0][:200])
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(f"{str(shape):<22}{name:<24}{_fmt(row['fwd_tflops']):>10}{_fmt(row['fwdbwd_tflops']):>10}", flush=True)
+
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": os.environ.get("STABLEFLASH_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None),
+            "dtype": "bf16", "causal": True, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
+            "flops": "fwd 4*B*H*T^2*D/2, fwd+bwd 3.5x"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print_summary(rows)
+
+
+def _fmt(x):
+    return "-" if x is None else f"{x:.1f}"
+
+
+def print_summary(rows):
+    """Ratios the issue's targets are stated in, per shape."""
+    by = {(tuple(r["shape"]), r["impl"]): r for r in rows}
+    print(f"\n{'shape':<22}{'sfa/fa2':>9}{'sfa/cudnn':>11}{'sfa cost':>10}{'stats cost':>11}{'paper/tiled':>13}  (fwd+bwd)")
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
+        def ratio(a, b, shape=shape):
+            x, y = (by.get((shape, n), {}).get("fwdbwd_tflops") for n in (a, b))
+            return "-" if x is None or y is None else f"{x / y:.2f}"
+
+        print(f"{str(shape):<22}{ratio('stableflash-sfa', 'sdpa-flash'):>9}{ratio('stableflash-sfa', 'sdpa-cudnn'):>11}"
+              f"{ratio('stableflash-sfa', 'stableflash'):>10}{ratio('stableflash-sfa-stats', 'stableflash-sfa'):>11}"
+              f"{ratio('stableflash-paper', 'torch-tiled-paper'):>13}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train]...   (default: tests bench)
+set -u
+out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
+shift
+parts=${*:-tests bench}
+mkdir -p "$out"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}.
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$out/gpu.csv" 2>&1
+status=0
+for part in $parts; do
+  case $part in
+    tests) python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/ --junitxml "$out/gpu-tests.xml" \
+             2>&1 | tee "$out/gpu-tests.log" | tail -25; status=$((status | PIPESTATUS[0])) ;;
+    bench) python3 benchmarks/attention.py --out "$out/attention-bench-h200.json" 2>&1 | tee "$out/attention-bench.log" ;;
+    train) python3 benchmarks/train_throughput.py --compile --steps 60 --warmup 10 --out "$out/train" \
+             --settings sdpa,triton-fa2,triton-fa2-sfa,triton-paper 2>&1 | tail -8 | tee "$out/train-throughput.log"
+           cp "$out/train/train-throughput-compiled.json" "$out/" 2>/dev/null; rm -rf "$out/train" ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,544 @@
+"""Fused flash-attention kernels (FlashAttention-2 structure) with constexpr numerics.
+
+Two numeric modes, both chosen at compile time so neither pays for the other:
+- native (`EMU=False`): production FA2 rounding (fp32 statistics and
+  accumulators, P̄ and dS cast to the input dtype for the tensor-core matmuls),
+  scores in base-2 units so the exponentials are `exp2`;
+- emulated (`EMU=True`): every site of a `Precision` rounded as the reference
+  rounds it (`R_*` codes: 0 keeps fp32, 1 rounds to bf16, 2 to fp16), with the
+  policy's logical tiles (LT keys in the forward, LQ queries / LT keys in the
+  backward) built from smaller physical tiles. The forward then makes two or
+  three passes over each logical tile: its maximum, its near-maximum count
+  (only for SFA or statistics), then P̄ and P̄V.
+
+`STAB` is 0 (plain), 1 (SFA, the seed's Algorithm 3, per tile) or 2 (ClampPbar);
+`STATS` adds the per-head counters of `AttentionStats`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+LOG2E = 1.4426950408889634
+# The interpreter (TRITON_INTERPRET=1, used by the CPU tests) has no libdevice and
+# multiplies bf16 tiles wrongly in tl.dot (triton 3.6), so it takes fp32 paths instead.
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _cast(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE with round-to-nearest-even (the interpreter's own bf16 cast truncates)."""
+    if _INTERPRET and DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 32767 + ((bits >> 16) & 1)) & -65536
+        x = tl.where(x == x, rounded.to(tl.float32, bitcast=True), x)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _round(x, CODE: tl.constexpr):
+    """Round an fp32 tensor to bf16 (CODE 1) or fp16 (CODE 2), keeping it fp32; CODE 0: unchanged."""
+    if CODE == 1:
+        x = _cast(x, tl.bfloat16).to(tl.float32)
+    elif CODE == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _round_up_bf16(x):
+    """Round fp32 toward +inf to a bf16 value (kept fp32): SFA's m must not round below its shift."""
+    bits = x.to(tl.int32, bitcast=True)
+    up = tl.where(x > 0, (bits + 65535) & -65536, bits & -65536)
+    return up.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp(x):
+    """exp as the reference computes it (correctly rounded fp32), not the fast ex2.approx."""
+    if _INTERPRET:
+        y = tl.exp(x)
+    else:
+        y = libdevice.exp(x)
+    return y
+
+
+@triton.jit
+def _log(x):
+    if _INTERPRET:
+        y = tl.log(x)
+    else:
+        y = libdevice.log(x)
+    return y
+
+
+@triton.jit
+def _dot(a, b, acc, OPS_FP32: tl.constexpr):
+    """a @ b + acc with fp32 accumulation; operands in their dtype, or exact fp32 when OPS_FP32."""
+    if OPS_FP32 or _INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _sfa_max(rm, rs, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+             BOUNDED: tl.constexpr, ROUND_UP_BF16: tl.constexpr):
+    """SFA's row maximum m from the tile maximum rm and near-max count rs (see stabilize.SFA)."""
+    repeated = rs > 1
+    paper = tl.where(repeated & (rm > 0), BETA * rm, rm)
+    paper = tl.where(repeated & (rm < 0), 0.0, paper)
+    if BOUNDED:
+        finite = (rm == rm) & (tl.abs(rm) < float("inf"))
+        safe = tl.where(finite, rm, 0.0)
+        shift = tl.minimum(tl.maximum(paper - rm, LOW), HIGH)
+        m = safe + tl.where(finite, shift, LOW)
+        if ROUND_UP_BF16:
+            m = _round_up_bf16(m)
+        actual = m - safe
+        usable = repeated & finite & (actual >= LOW) & (actual <= HIGH)
+        paper = tl.where(usable, m, rm)
+    return paper
+
+
+# ------------------------------------------------------------------------------------------------
+# forward
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale,
+            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+            EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of scores: base-2 units natively, the policy's rounding under EMU."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_ptrs = K + k_off + offs_n[None, :] * stride_kt + offs_d[:, None]
+    if MASKED:
+        kt = tl.load(k_ptrs, mask=offs_n[None, :] < T, other=0.0)
+    else:
+        kt = tl.load(k_ptrs)
+    qk = _dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), OPS_FP32)
+    if EMU:
+        s = _round(_round(_round(qk, R_QK) * scale, R_QK), R_SCORES)
+    else:
+        s = qk * scale  # scale already carries log2(e)
+    if MASKED:
+        valid = offs_n[None, :] < T
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        s = tl.where(valid, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _near_max(s, rm, eps):
+    """Per row: how many finite scores lie within eps of the row maximum rm."""
+    near = ((rm[:, None] - s) <= eps) & (s > float("-inf"))
+    return tl.sum(near.to(tl.int32), 1)
+
+
+@triton.jit
+def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale,
+                     m, l, acc, repeated, ones, smax, eps_u, row_ok,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                     STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr,
+                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr):
+    """One key tile of the production-FA2 online softmax (base-2 units)."""
+    s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
+                False, False, 0, 0)
+    rm = tl.max(s, 1)
+    if STATS or STAB == 1:
+        rs = _near_max(s, rm, eps_u)
+        if STATS:
+            repeated = tl.maximum(repeated, ((rs > 1) & row_ok).to(tl.int32))
+            smax = tl.maximum(smax, tl.max(tl.where(row_ok[:, None] & (s < float("inf")), s, float("-inf"))))
+        if STAB == 1:
+            rm = _sfa_max(rm, rs, BETA, LOW, HIGH, BOUNDED, False)
+    m_new = tl.maximum(m, rm)
+    # rows that have seen no finite score keep m = -inf; shift them by 0 so exp gives 0, not NaN
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    if STAB == 2:
+        p = tl.minimum(p, CLAMP_CEIL)
+    p_op = _cast(p, V.dtype.element_ty)
+    if STATS:
+        ones += tl.sum(tl.sum(((p_op == 1.0) & row_ok[:, None]).to(tl.int32), 1), 0)
+    alpha = tl.math.exp2(m - m_shift)
+    l = l * alpha + tl.sum(p, 1)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    v_ptrs = V + v_off + offs_n[:, None] * stride_vt + tl.arange(0, HEAD_DIM)[None, :]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = _dot(p_op, v, acc * alpha[:, None], False)
+    return m_new, l, acc, repeated, ones, smax
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, OS, LSE, STAT_COUNTS, STAT_MAX,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    H, T, scale, eps_u, LT,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    EMU: tl.constexpr, OPS_FP32: tl.constexpr, SAVE_OS: tl.constexpr,
+    STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+    BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TILE_CLAMP: tl.constexpr,
+    R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_ROW_MAX: tl.constexpr, R_SUB: tl.constexpr,
+    R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
+    R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
+    R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_DIV: tl.constexpr,
+    R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q_off = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_off = b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_off = b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < T
+    q = tl.load(Q + q_off + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    repeated = tl.zeros((BLOCK_M,), tl.int32)
+    ones = tl.full([], 0, tl.int32)
+    smax = tl.full((), float("-inf"), tl.float32)
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+
+    if not EMU:
+        # blocks left of the diagonal (causal) or before the ragged end need no mask
+        free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
+        for start_n in range(0, free, BLOCK_N):
+            m, l, acc, repeated, ones, smax = _fwd_native_tile(
+                q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
+                ones, smax, eps_u, row_ok, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH,
+                BOUNDED, CLAMP_CEIL)
+        for start_n in range(free, hi, BLOCK_N):
+            m, l, acc, repeated, ones, smax = _fwd_native_tile(
+                q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
+                ones, smax, eps_u, row_ok, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW, HIGH,
+                BOUNDED, CLAMP_CEIL)
+        empty = m == float("-inf")
+        o = acc / tl.where(empty, 1.0, l)[:, None]
+        lse = tl.where(empty, float("-inf"), (m + tl.math.log2(l)) / 1.4426950408889634)
+        smax = smax / 1.4426950408889634
+    else:
+        for lt in range(0, hi, LT):
+            lt_end = tl.minimum(lt + LT, hi)
+            # pass 1: the logical tile's row maximum
+            rm = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            for start_n in range(lt, lt_end, BLOCK_N):
+                s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, True,
+                            True, OPS_FP32, R_QK, R_SCORES)
+                rm = tl.maximum(rm, tl.max(s, 1))
+            rm = _round(rm, R_ROW_MAX)
+            # pass 2 (SFA or statistics): near-maximum counts against the whole tile's maximum
+            if STATS or STAB == 1:
+                rs = tl.zeros((BLOCK_M,), tl.int32)
+                for start_n in range(lt, lt_end, BLOCK_N):
+                    s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL,
+                                True, True, OPS_FP32, R_QK, R_SCORES)
+                    rs += _near_max(s, rm, eps_u)
+                    if STATS:
+                        smax = tl.maximum(smax, tl.max(tl.where(row_ok[:, None] & (s < float("inf")), s,
+                                                                float("-inf"))))
+                if STATS:
+                    repeated = tl.maximum(repeated, ((rs > 1) & row_ok).to(tl.int32))
+                if STAB == 1:
+                    rm = _round(_sfa_max(rm, rs, BETA, LOW, HIGH, BOUNDED, R_ROW_MAX == 1), R_ROW_MAX)
+            m_new = _round(tl.maximum(rm, m), R_ROW_MAX)
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            # pass 3: P̄, its row sum and P̄V over the logical tile
+            tile_sum = tl.zeros((BLOCK_M,), tl.float32)
+            pv = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+            for start_n in range(lt, lt_end, BLOCK_N):
+                s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, True,
+                            True, OPS_FP32, R_QK, R_SCORES)
+                p = _round(_exp(_round(s - m_shift[:, None], R_SUB)), R_PBAR)
+                if STAB == 2:
+                    p = tl.minimum(p, CLAMP_CEIL)
+                p_op = _round(p, R_PBAR_OP)
+                if STATS:
+                    ones += tl.sum(tl.sum(((p_op == 1.0) & row_ok[:, None]).to(tl.int32), 1), 0)
+                tile_sum += tl.sum(p, 1)
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                v = tl.load(V + v_off + offs_n[:, None] * stride_vt + offs_d[None, :], mask=offs_n[:, None] < T,
+                            other=0.0)
+                if OPS_FP32:
+                    pv = _dot(p_op, v, pv, True)
+                else:
+                    pv = _dot(_cast(p_op, V.dtype.element_ty), v, pv, False)
+            tile_sum = _round(tile_sum, R_TILE_SUM)
+            if TILE_CLAMP > 0:
+                tile_sum = tl.maximum(tile_sum, TILE_CLAMP)
+            pv = _round(pv, R_PV)
+            rescale = _round(_exp(_round(m - m_shift, R_ROW_MAX)), R_RESCALE)
+            l = _round(_round(_round(rescale * l, R_L1) + tile_sum, R_L2), R_ROW_SUM)
+            acc = _round(_round(_round(acc * rescale[:, None], R_A1) + pv, R_A2), R_ACC)
+            m = m_new
+        empty = m == float("-inf")
+        o = _round(acc / tl.where(empty, 1.0, l)[:, None], R_DIV)
+        log_l = _round(_log(l), R_LSE)
+        lse = tl.where(empty, float("-inf"), _round(_round(log_l + m, R_LSE_ADD), R_LSE))
+    o = tl.where(empty[:, None], 0.0, o)
+
+    out_off = bh.to(tl.int64) * T * HEAD_DIM
+    o_ptrs = out_off + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(O + o_ptrs, _cast(o, O.dtype.element_ty), mask=row_ok[:, None])
+    if SAVE_OS:
+        tl.store(OS + o_ptrs, o.to(OS.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
+    if STATS:
+        tl.atomic_add(STAT_COUNTS + h * 2, tl.sum(repeated.to(tl.int32), 0))
+        tl.atomic_add(STAT_COUNTS + h * 2 + 1, ones)
+        tl.atomic_max(STAT_MAX + h, smax)
+
+
+# ------------------------------------------------------------------------------------------------
+# backward
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _attn_bwd_delta(
+    O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_db, stride_dh, stride_dt, H, T,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, R_MUL: tl.constexpr, R_TERMS: tl.constexpr,
+    R_DELTA: tl.constexpr,
+):
+    """δ = rowsum(dO * O) per row, rounded as the policy says."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m[:, None] < T
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_ot
+                + offs_d[None, :], mask=rows, other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dt
+                 + offs_d[None, :], mask=rows, other=0.0).to(tl.float32)
+    delta = _round(tl.sum(_round(_round(do * o, R_MUL), R_TERMS), 1), R_DELTA)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+
+
+@triton.jit
+def _bwd_probs_t(k, q, lse, offs_n, offs_m, T, scale,
+                 CAUSAL: tl.constexpr, MASKED: tl.constexpr, EMU: tl.constexpr, OPS_FP32: tl.constexpr,
+                 R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr):
+    """Pᵀ for one (keys, queries) tile, recomputed from the saved log-sum-exp (+inf for empty rows)."""
+    qkt = _dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), OPS_FP32)
+    if EMU:
+        s = _round(_round(_round(qkt, R_QK) * scale, R_QK), R_SCORES)
+        pt = _round(_exp(_round(s - lse[None, :], R_P_SUB)), R_P)
+    else:
+        pt = tl.math.exp2(qkt * scale - lse[None, :])
+    if MASKED:
+        valid = (offs_m[None, :] < T) & (offs_n[:, None] < T)
+        if CAUSAL:
+            valid = valid & (offs_m[None, :] >= offs_n[:, None])
+        pt = tl.where(valid, pt, 0.0)
+    return pt
+
+
+@triton.jit
+def _bwd_probs(q, k, lse, offs_m, offs_n, T, scale,
+               CAUSAL: tl.constexpr, MASKED: tl.constexpr, EMU: tl.constexpr, OPS_FP32: tl.constexpr,
+               R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr):
+    """P for one (queries, keys) tile: the dQ kernel's orientation of `_bwd_probs_t`."""
+    qk = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), OPS_FP32)
+    if EMU:
+        s = _round(_round(_round(qk, R_QK) * scale, R_QK), R_SCORES)
+        p = _round(_exp(_round(s - lse[:, None], R_P_SUB)), R_P)
+    else:
+        p = tl.math.exp2(qk * scale - lse[:, None])
+    if MASKED:
+        valid = (offs_m[:, None] < T) & (offs_n[None, :] < T)
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        p = tl.where(valid, p, 0.0)
+    return p
+
+
+@triton.jit
+def _load_lse(LSE, offs, T, EMU: tl.constexpr):
+    """Saved lse in the kernel's units; rows with no visible key (-inf) become +inf, so P = 0."""
+    lse = tl.load(LSE + offs, mask=offs < T, other=0.0)
+    if not EMU:
+        lse = lse * 1.4426950408889634
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt, stride_dot, qk_scale,
+               dk, dv, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
+               R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr, R_DP: tl.constexpr,
+               R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m[:, None] < T
+    q = tl.load(Q + q_off + offs_m[:, None] * stride_qt + offs_d[None, :], mask=rows, other=0.0)
+    do = tl.load(DO + do_off + offs_m[:, None] * stride_dot + offs_d[None, :], mask=rows, other=0.0)
+    lse = _load_lse(LSE + row_off, offs_m, T, EMU)
+    delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
+    pt = _bwd_probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
+    if OPS_FP32:
+        dv = _dot(_round(pt, R_P_OP), do, dv, True)
+    else:
+        dv = _dot(_cast(pt, do.dtype), do, dv, False)
+    dpt = _round(_dot(v, tl.trans(do), tl.zeros((v.shape[0], BLOCK_M), tl.float32), OPS_FP32), R_DP)
+    dst = _round(_round(pt * _round(dpt - delta[None, :], R_DS1), R_DS2), R_DS)
+    if OPS_FP32:
+        dk = _dot(_round(dst, R_DS_OP), q, dk, True)
+    else:
+        dk = _dot(_cast(dst, q.dtype), q, dk, False)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot, H, T, qk_scale, scale, LQ,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    EMU: tl.constexpr, OPS_FP32: tl.constexpr,
+    R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr,
+    R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
+    R_DV: tl.constexpr, R_DK: tl.constexpr,
+):
+    """dK and dV for one key tile, looping over the query tiles that see it."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q_off = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_off = b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_off = b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    do_off = b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    row_off = bh.to(tl.int64) * T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    keys = offs_n[:, None] < T
+    k = tl.load(K + k_off + offs_n[:, None] * stride_kt + offs_d[None, :], mask=keys, other=0.0)
+    v = tl.load(V + v_off + offs_n[:, None] * stride_vt + offs_d[None, :], mask=keys, other=0.0)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+
+    if not EMU:
+        # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
+        diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
+        free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
+        for start_m in range(lo, diag_end, BLOCK_M):
+            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+                                stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, False, False,
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        for start_m in range(diag_end, free_end, BLOCK_M):
+            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+                                stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, False, False, False,
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        for start_m in range(free_end, T, BLOCK_M):
+            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+                                stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, False, False,
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        dk = dk * scale
+    else:
+        # accumulate each logical query tile in fp32, then round and add it as the reference does
+        dk_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+        dv_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+        for lq in range((lo // LQ) * LQ, T, LQ):
+            dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+            dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+            for start_m in range(tl.maximum(lq, lo), tl.minimum(lq + LQ, T), BLOCK_M):
+                dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+                                    stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, True, OPS_FP32,
+                                    R_QK, R_SCORES, R_P_SUB, R_P, R_P_OP, R_DP, R_DS1, R_DS2, R_DS, R_DS_OP)
+            dv_run = _round(dv_run + _round(dv, R_DV), R_DV)
+            dk_run = _round(dk_run + _round(_round(dk, R_DK) * scale, R_DK), R_DK)
+        dk = dk_run
+        dv = dv_run
+    out = bh.to(tl.int64) * T * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out, _cast(dk, DK.dtype.element_ty), mask=keys)
+    tl.store(DV + out, _cast(dv, DV.dtype.element_ty), mask=keys)
+
+
+@triton.jit
+def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+             EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
+             R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr,
+             R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    keys = offs_n[:, None] < T
+    k = tl.load(K + k_off + offs_n[:, None] * stride_kt + offs_d[None, :], mask=keys, other=0.0)
+    v = tl.load(V + v_off + offs_n[:, None] * stride_vt + offs_d[None, :], mask=keys, other=0.0)
+    p = _bwd_probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
+    dp = _round(_dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), OPS_FP32), R_DP)
+    ds = _round(_round(p * _round(dp - delta[:, None], R_DS1), R_DS2), R_DS)
+    if OPS_FP32:
+        dq = _dot(_round(ds, R_DS_OP), k, dq, True)
+    else:
+        dq = _dot(_cast(ds, k.dtype), k, dq, False)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot, H, T, qk_scale, scale, LT,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    EMU: tl.constexpr, OPS_FP32: tl.constexpr,
+    R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
+    R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
+    R_DQ: tl.constexpr,
+):
+    """dQ for one query tile, looping over the key tiles it sees."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q_off = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_off = b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_off = b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    do_off = b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    row_off = bh.to(tl.int64) * T
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m[:, None] < T
+    q = tl.load(Q + q_off + offs_m[:, None] * stride_qt + offs_d[None, :], mask=rows, other=0.0)
+    do = tl.load(DO + do_off + offs_m[:, None] * stride_dot + offs_d[None, :], mask=rows, other=0.0)
+    lse = _load_lse(LSE + row_off, offs_m, T, EMU)
+    delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+
+    if not EMU:
+        free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
+        for start_n in range(0, free, BLOCK_N):
+            dq = _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq,
+                          BLOCK_N, HEAD_DIM, CAUSAL, False, False, False, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        for start_n in range(free, hi, BLOCK_N):
+            dq = _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq,
+                          BLOCK_N, HEAD_DIM, CAUSAL, True, False, False, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        dq = dq * scale
+    else:
+        dq_run = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        for lt in range(0, hi, LT):
+            dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+            for start_n in range(lt, tl.minimum(lt + LT, hi), BLOCK_N):
+                dq = _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+                              dq, BLOCK_N, HEAD_DIM, CAUSAL, True, True, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P,
+                              R_DP, R_DS1, R_DS2, R_DS, R_DS_OP)
+            dq_run = _round(dq_run + _round(_round(dq, R_DQ) * scale, R_DQ), R_DQ)
+        dq = dq_run
+    out = bh.to(tl.int64) * T * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DQ + out, _cast(dq, DQ.dtype.element_ty), mask=rows)

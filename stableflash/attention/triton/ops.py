@@ -1,0 +1,171 @@
+"""Launchers and `torch.library` custom ops around the fused kernels.
+
+The ops take the kernel specialisation as a string key (registered by
+`register_spec`), so `torch.compile` traces them as opaque nodes with fake
+implementations that only describe output shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from stableflash.attention.triton import kernels
+from stableflash.attention.triton.spec import LOG2E, PHYSICAL_TILE, KernelSpec
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_SPECS: dict[str, KernelSpec] = {}
+
+
+def register_spec(spec: KernelSpec) -> str:
+    key = repr(spec)
+    _SPECS.setdefault(key, spec)
+    return key
+
+
+def _cfg(block_m, block_n, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+
+# Candidate tiles; the forward and dQ kernels need BLOCK_M % BLOCK_N == 0, the dK/dV kernel the reverse.
+_FWD_CONFIGS = [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)]
+_DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3), _cfg(16, 128, 4, 3)]
+_DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 16, 4, 3)]
+_EMU_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
+
+
+def _prune(configs, named_args, **meta):
+    """Emulated numerics use one fixed physical tile (the logical tiles are built from it)."""
+    if meta.get("EMU", named_args.get("EMU")):
+        return [_EMU_CONFIG]
+    big_d = meta.get("HEAD_DIM", named_args.get("HEAD_DIM")) >= 128
+    return [c for c in configs if not (big_d and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64)] or configs
+
+
+def _tuned(kernel, configs, reset=(), extra_key=()):
+    if _INTERPRET:
+        return None
+    # the statistics kernel adds counts with atomics: autotuning's repeated runs must start from zero
+    return triton.autotune(configs, key=["T", "HEAD_DIM", "CAUSAL", "EMU", "OPS_FP32", *extra_key],
+                           prune_configs_by={"early_config_prune": _prune}, reset_to_zero=list(reset))(kernel)
+
+
+_fwd = _tuned(kernels._attn_fwd, _FWD_CONFIGS, reset=("STAT_COUNTS",), extra_key=("STAB", "STATS"))
+_dkdv = _tuned(kernels._attn_bwd_dkdv, _DKDV_CONFIGS)
+_dq = _tuned(kernels._attn_bwd_dq, _DQ_CONFIGS)
+
+
+def _launch(tuned, plain, grid, *args, **meta):
+    """Autotuned launch on a GPU; the first candidate tile under the interpreter."""
+    if tuned is not None:
+        tuned[grid](*args, **meta)
+    else:
+        cfg = _EMU_CONFIG if meta["EMU"] else _cfg(64, 64, 4, 2)
+        plain[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs)
+
+
+def _strides(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _last_dim_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float):
+    """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,2) int32, max (H,) fp32)."""
+    spec = _SPECS[key]
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    B, H, T, D = q.shape
+    out = torch.empty(B, H, T, D, dtype=spec.out_dtype, device=q.device)
+    o_saved = torch.empty(B, H, T, D, dtype=torch.float32, device=q.device) if spec.save_fp32_o else out.new_empty(0)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    counts = torch.zeros(H, 2, dtype=torch.int32, device=q.device)
+    smax = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    units = 1.0 if spec.emu else LOG2E
+    eps_u = spec.eps if spec.stab == 1 else stats_eps * units
+    codes = dict(spec.codes)
+    fwd_codes = {n: codes[n] for n in ("R_QK", "R_SCORES", "R_ROW_MAX", "R_SUB", "R_PBAR", "R_PBAR_OP", "R_TILE_SUM",
+                                       "R_PV", "R_RESCALE", "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC",
+                                       "R_DIV", "R_LSE", "R_LSE_ADD")}
+    _launch(_fwd, kernels._attn_fwd, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H),
+            q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
+            *_strides(q), *_strides(k), *_strides(v), H, T, scale * units, eps_u, spec.logical_n,
+            HEAD_DIM=D, CAUSAL=causal, EMU=spec.emu, OPS_FP32=spec.ops_fp32, SAVE_OS=spec.save_fp32_o,
+            STAB=spec.stab, STATS=stats, BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded,
+            CLAMP_CEIL=spec.clamp_ceiling, TILE_CLAMP=spec.tile_clamp, **fwd_codes)
+    return out, o_saved, lse, counts, smax
+
+
+def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str):
+    spec = _SPECS[key]
+    q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
+    B, H, T, D = q.shape
+    codes = dict(spec.codes)
+    delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    block = 64
+    kernels._attn_bwd_delta[(triton.cdiv(T, block), B * H)](
+        o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T, HEAD_DIM=D, BLOCK_M=block,
+        R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"])
+    dq = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty_like(dq)
+    dv = torch.empty_like(dq)
+    units = 1.0 if spec.emu else LOG2E
+    shared = dict(HEAD_DIM=D, CAUSAL=causal, EMU=spec.emu, OPS_FP32=spec.ops_fp32,
+                  **{n: codes[n] for n in ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP", "R_DS1", "R_DS2", "R_DS",
+                                           "R_DS_OP")})
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+    _launch(_dkdv, kernels._attn_bwd_dkdv, lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H),
+            q, k, v, dout, lse, delta, dk, dv, *strides, H, T, scale * units, scale, spec.logical_m,
+            R_P_OP=codes["R_P_OP"], R_DV=codes["R_DV"], R_DK=codes["R_DK"], **shared)
+    _launch(_dq, kernels._attn_bwd_dq, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H),
+            q, k, v, dout, lse, delta, dq, *strides, H, T, scale * units, scale, spec.logical_n,
+            R_DQ=codes["R_DQ"], **shared)
+    return dq, dk, dv
+
+
+# -- torch.library custom ops -------------------------------------------------------------------
+
+@torch.library.custom_op("stableflash::flash_fwd", mutates_args=())
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, key: str,
+              stats: bool, stats_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return forward(q, k, v, causal, scale, key, stats, stats_eps)
+
+
+@flash_fwd.register_fake
+def _(q, k, v, causal, scale, key, stats, stats_eps):
+    spec = _SPECS[key]
+    B, H, T, D = q.shape
+    out = q.new_empty(B, H, T, D, dtype=spec.out_dtype)
+    o_saved = q.new_empty(B, H, T, D, dtype=torch.float32) if spec.save_fp32_o else q.new_empty(0)
+    return (out, o_saved, q.new_empty(B, H, T, dtype=torch.float32), q.new_empty(H, 2, dtype=torch.int32),
+            q.new_empty(H, dtype=torch.float32))
+
+
+@torch.library.custom_op("stableflash::flash_bwd", mutates_args=())
+def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_saved: torch.Tensor,
+              lse: torch.Tensor, causal: bool, scale: float, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(dout, q, k, v, o_saved, lse, causal, scale, key)
+
+
+@flash_bwd.register_fake
+def _(dout, q, k, v, o_saved, lse, causal, scale, key):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, key, _, _ = inputs
+    out, o_saved, lse, _, _ = output
+    ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse)
+    ctx.causal, ctx.scale, ctx.key = causal, scale, key
+
+
+def _backward(ctx, dout, *_):
+    q, k, v, o_saved, lse = ctx.saved_tensors
+    dq, dk, dv = flash_bwd(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.key)
+    return dq, dk, dv, None, None, None, None, None
+
+
+flash_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,131 @@
+"""`KernelSpec`: what the fused kernels are specialised on, derived from a `Precision`.
+
+A policy becomes a set of compile-time rounding codes (0 keeps fp32, 1 rounds to
+bf16, 2 to fp16) for every site and for every elementwise operation between
+sites, where the reference rounds to the operands' promoted dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from stableflash.attention.precision import PRESETS, SITES, Precision
+from stableflash.attention.stabilize import SFA, ClampPbar
+from stableflash.numerics.formats import get_format
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (16, 32, 64, 128)
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+PHYSICAL_TILE = 64  # emulated logical tiles are built from tiles of this size
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_NATIVE_TILE = PRESETS["fa2"].block_m
+
+
+def _promote(a: int, b: int) -> int:
+    return a if a == b else 0
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    emu: bool
+    """False: production FA2 numerics (the `fa2` preset); True: every site rounded as the policy says."""
+    ops_fp32: bool
+    """Matmul operands in exact fp32 (a policy whose P̄/P/dS operands are fp32)."""
+    codes: tuple[tuple[str, int], ...]
+    out_dtype: torch.dtype
+    save_fp32_o: bool
+    logical_m: int
+    logical_n: int
+    tile_clamp: float
+    stab: int
+    beta: float
+    eps: float
+    low: float
+    high: float
+    bounded: bool
+    clamp_ceiling: float
+
+    def code(self, name: str) -> int:
+        return dict(self.codes)[name]
+
+
+def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str | None:
+    """Why the fused kernels cannot run this combination, or None if they can."""
+    if dtype not in INPUT_DTYPES:
+        return f"inputs must be bfloat16 or float16, got {dtype}"
+    if policy.head_override is not None:
+        return None  # the API splits heads and asks again per policy
+    if policy.compute != "fp32":
+        return "compute must be fp32"
+    if policy.rounding != "nearest":
+        return "rounding must be 'nearest'"
+    if policy.delta_formula != "do_o":
+        return f"delta_formula {policy.delta_formula!r} is reference-only"
+    for site in SITES:
+        if policy.dtype(site, dtype) not in _CODES:
+            return f"site {site} in {getattr(policy, site)} (kernels round to fp32, bf16 or fp16)"
+    for site in ("pbar_operand", "p_operand", "ds_operand"):
+        if policy.dtype(site, dtype) not in (dtype, torch.float32):
+            return f"matmul operand site {site} must be the input dtype or fp32"
+    if policy.o_saved not in ("out", "fp32"):
+        return "o_saved must be 'out' or 'fp32'"
+    for name in ("block_m", "block_n"):
+        block = getattr(policy, name)
+        if block is not None and block % PHYSICAL_TILE:
+            return f"{name}={block} must be a multiple of {PHYSICAL_TILE} (or None)"
+    if isinstance(stabilize, SFA) and policy.dtype("row_max", dtype) == torch.float16:
+        return "SFA with an fp16 row_max is reference-only"
+    return None
+
+
+def _is_native(policy: Precision, dtype: torch.dtype) -> bool:
+    fa2 = PRESETS["fa2"]
+    same_sites = all(policy.dtype(s, dtype) == fa2.dtype(s, dtype) for s in SITES if s != "delta_terms")
+    return (same_sites and policy.tile_sum_clamp is None
+            and policy.block_m == _NATIVE_TILE and policy.block_n == _NATIVE_TILE)
+
+
+def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -> KernelSpec:
+    code = {site: _CODES[policy.dtype(site, dtype)] for site in SITES}
+    input_code = _CODES[dtype]
+    out_code = code["out"]
+    o_saved_code = out_code if policy.o_saved == "out" else 0
+    codes = dict(
+        R_QK=code["qk"], R_SCORES=code["scores"], R_ROW_MAX=code["row_max"],
+        R_SUB=_promote(code["scores"], code["row_max"]), R_PBAR=code["pbar"], R_PBAR_OP=code["pbar_operand"],
+        R_TILE_SUM=code["tile_sum"], R_PV=code["pv"], R_RESCALE=code["rescale"],
+        R_L1=_promote(code["rescale"], code["row_sum"]), R_ROW_SUM=code["row_sum"],
+        R_A1=_promote(code["acc"], code["rescale"]), R_ACC=code["acc"],
+        R_DIV=_promote(code["acc"], code["row_sum"]), R_LSE=code["lse"],
+        R_LSE_ADD=_promote(code["lse"], code["row_max"]),
+        R_MUL=_promote(out_code, o_saved_code), R_TERMS=code["delta_terms"], R_DELTA=code["delta"],
+        R_P_SUB=_promote(code["scores"], code["lse"]), R_P=code["p"], R_P_OP=code["p_operand"], R_DP=code["dp"],
+        R_DS1=_promote(code["dp"], code["delta"]), R_DS=code["ds"], R_DS_OP=code["ds_operand"],
+        R_DV=code["dv"], R_DK=code["dk"], R_DQ=code["dq"],
+    )
+    codes["R_L2"] = _promote(codes["R_L1"], code["tile_sum"])
+    codes["R_A2"] = _promote(codes["R_A1"], code["pv"])
+    codes["R_DS2"] = _promote(code["p"], codes["R_DS1"])
+    emu = not _is_native(policy, dtype)
+    if not emu:
+        codes["R_MUL"] = 0  # production FA2 forms dO*O in fp32
+    ops_fp32 = any(code[s] != input_code for s in ("pbar_operand", "p_operand", "ds_operand", "out"))
+    whole = math.ceil(seq_len / PHYSICAL_TILE) * PHYSICAL_TILE
+    pbar_format = get_format(policy.dtype("pbar_operand", dtype))
+    stab, beta, eps, low, high, bounded, ceiling = 0, 2.0, 0.0, 0.0, 0.0, True, 1.0
+    if isinstance(stabilize, SFA):
+        stab, beta, eps, bounded = 1, float(stabilize.beta), float(stabilize.eps), stabilize.bounded
+        low, high = stabilize.shift_bounds(pbar_format)
+    elif isinstance(stabilize, ClampPbar):
+        stab, ceiling = 2, ClampPbar.ceiling(pbar_format)
+    units = 1.0 if emu else LOG2E  # the native kernel works in base-2 units
+    return KernelSpec(
+        emu=emu, ops_fp32=ops_fp32, codes=tuple(sorted(codes.items())),
+        out_dtype=policy.dtype("out", dtype), save_fp32_o=policy.o_saved == "fp32",
+        logical_m=policy.block_m or whole, logical_n=policy.block_n or whole,
+        tile_clamp=float(policy.tile_sum_clamp or 0.0), stab=stab, beta=beta, eps=eps * units,
+        low=low * units, high=high * units, bounded=bounded, clamp_ceiling=ceiling,
+    )

@@ -1,0 +1,208 @@
+"""The fused kernels against the reference, on fresh random inputs of odd sizes every run.
+
+Runs on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1,
+smaller sizes; `test_triton_interpreter.py` does that in CI). Skipped otherwise.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from stableflash import SFA, AttentionStats, ClampPbar, flash_attention
+from stableflash.attention.precision import resolve
+from tests.attention.conftest import tied_inputs
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs a CUDA GPU or TRITON_INTERPRET=1"),
+]
+pytest.importorskip("triton")
+DEVICE = "cpu" if INTERPRET else "cuda"
+# (B, H, T, D): odd lengths, ragged last tiles, several tiles per row
+SHAPES = [(1, 2, 77, 16), (1, 2, 130, 64)] if INTERPRET else [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)]
+
+
+def _attention(q, k, v, **kw):
+    """The fused kernel (through the public API on a GPU, the backend directly under the interpreter)."""
+    if INTERPRET:
+        from stableflash.attention import triton as backend
+        D = q.shape[-1]
+        return backend.attention(q, k, v, causal=kw.get("causal", True), scale=kw.get("scale") or D**-0.5,
+                                 policy=resolve(kw.get("precision", "fa2")), stabilize=kw.get("stabilize"),
+                                 stats=kw.get("stats"))
+    return flash_attention(q, k, v, backend="triton", **kw)
+
+
+def _inputs(shape, dtype=torch.bfloat16, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    return [torch.randn(*shape, generator=g).to(dtype).to(DEVICE).requires_grad_() for _ in range(3)]
+
+
+def _run(fn, q, k, v, dout):
+    out = fn(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return [out.detach(), *grads]
+
+
+def _fp64(q, k, v, causal):
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    return lambda _q, _k, _v: flash_attention(q64, k64, v64, causal=causal, precision="fp64", backend="reference"), \
+        (q64, k64, v64)
+
+
+def _max_err(a, b):
+    return (a.detach().cpu().double() - b.detach().cpu().double()).abs().max().item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fa2_within_twice_the_reference_error(shape, causal, dtype):
+    # flash-attention's own rule: |kernel - fp64| <= 2 |reference at the same precision - fp64| (+ tiny)
+    q, k, v = _inputs(shape, dtype)
+    dout = torch.randn(shape, device=DEVICE).to(dtype)
+    ours = _run(lambda *t: _attention(*t, causal=causal), q, k, v, dout)
+    ref = _run(lambda *t: flash_attention(*t, causal=causal, precision="fa2", backend="reference"), q, k, v, dout)
+    f, leaves = _fp64(q, k, v, causal)
+    exact_out = f(*leaves)
+    exact = [exact_out.detach(), *torch.autograd.grad(exact_out, leaves, dout.cpu().double())]
+    for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+        assert torch.isfinite(a).all(), name
+        assert _max_err(a, e) <= 2 * _max_err(r, e) + 1e-5, (name, _max_err(a, e), _max_err(r, e))
+
+
+EMULATED = ["paper", "bf16", "paper+pv32", "paper+o32", "paper+notiling"]
+
+
+def _policy(name):
+    base, _, knob = name.partition("+")
+    policy = resolve(base)
+    return {"": policy, "pv32": policy.with_pv_fp32(), "o32": policy.with_o_fp32(),
+            "notiling": policy.tiling_off()}[knob]
+
+
+@pytest.mark.parametrize("shape", SHAPES[-2:])
+@pytest.mark.parametrize("name", EMULATED)
+@pytest.mark.parametrize("stabilize", [None, SFA()])
+def test_emulation_agrees_bit_for_bit_with_the_reference(shape, name, stabilize):
+    policy = _policy(name)
+    q, k, v = _inputs(shape)
+    dout = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
+    ours = _run(lambda *t: _attention(*t, precision=policy, stabilize=stabilize), q, k, v, dout)
+    ref = _run(lambda *t: flash_attention(*t, precision=policy, stabilize=stabilize, backend="reference"), q, k, v, dout)
+    for what, a, r in zip(["out", "dq", "dk", "dv"], ours, ref):
+        equal = (a == r).float().mean().item()
+        # the issue asks 95% of outputs; gradients also see 1-ulp exp/log differences through P
+        assert equal >= (0.95 if what == "out" else 0.80), (what, equal)
+
+
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+def test_sfa_error_is_no_larger_than_the_plain_kernels(precision):
+    # random rows have no repeated maxima: SFA must leave them as the plain kernel computes them
+    q, k, v = _inputs(SHAPES[-1])
+    exact = _fp64(q, k, v, True)[0](None, None, None)
+    plain = _attention(q, k, v, precision=precision)
+    sfa = _attention(q, k, v, precision=precision, stabilize=SFA())
+    assert _max_err(sfa, exact) <= _max_err(plain, exact)
+
+
+@pytest.mark.parametrize("magnitude", [2.0, 8.0])
+def test_sfa_removes_most_of_the_bias_on_tied_maxima(magnitude):
+    # with ties SFA trades the biased rounding of P̄ = 1 for unbiased rounding of every entry:
+    # the mean signed error shrinks; the spread does not (the reference behaves the same way)
+    q, k, v = (t.to(DEVICE) for t in tied_inputs(4, T=128, D=64, heads=2, magnitude=magnitude))
+    exact = flash_attention(*(t.cpu().double() for t in (q, k, v)), causal=False, precision="fp64", backend="reference")
+    bias = {}
+    for stabilize in (None, SFA()):
+        ours = _attention(q, k, v, causal=False, precision="paper", stabilize=stabilize)
+        ref = flash_attention(q, k, v, causal=False, precision="paper", stabilize=stabilize, backend="reference")
+        assert _max_err(ours, exact) <= 2 * _max_err(ref, exact) + 1e-6
+        bias[stabilize is None] = (ours.cpu().double() - exact).mean().item()
+    assert abs(bias[False]) < 0.6 * abs(bias[True]), bias
+
+
+@pytest.mark.parametrize("precision", ["fa2", "paper", "bf16"])
+@pytest.mark.parametrize("stabilize", [None, SFA(), ClampPbar()])
+def test_large_logits_give_no_nan(precision, stabilize):
+    q = torch.full((1, 2, 64, 64), 133120.0, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    out = _attention(q, q, q, precision=precision, stabilize=stabilize)
+    out.float().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    # scores up to ~1e4 with ties
+    g = torch.Generator().manual_seed(1)
+    q2 = (torch.randn(1, 2, 96, 64, generator=g) * 12).round().to(torch.bfloat16).to(DEVICE).requires_grad_()
+    out2 = _attention(q2, q2, q2, precision=precision, stabilize=stabilize)
+    out2.float().sum().backward()
+    assert torch.isfinite(out2).all() and torch.isfinite(q2.grad).all()
+
+
+def test_rows_with_no_visible_key_give_zero_and_zero_gradients():
+    q, k, v = _inputs((1, 1, 70, 16 if INTERPRET else 64), seed=3)
+    with torch.no_grad():
+        q[0, 0, 5] = 1.0
+        k[0, 0, :] = k[0, 0, :].abs() + 1.0
+        k[0, 0, 40:] = -math.inf  # row 5 (causal) still sees keys 0..5; no row sees 40..
+        q[0, 0, 7] = -1.0  # row 7: every visible score is -inf... only if all keys are -inf for it
+    ours = _attention(q, k, v, causal=True)
+    ref = flash_attention(q, k, v, causal=True, precision="fa2", backend="reference")
+    both_nan = torch.isnan(ours) & torch.isnan(ref)
+    assert torch.equal(torch.isnan(ours), torch.isnan(ref))
+    assert _max_err(torch.where(both_nan, 0, ours), torch.where(both_nan, 0, ref)) < 5e-2
+
+
+def test_stats_match_the_reference_under_emulation_and_count_ties():
+    q, k, v = (t.to(DEVICE) for t in tied_inputs(3, T=128, D=64, heads=2))
+    for precision in ("paper", "fa2"):
+        ours, ref = AttentionStats(2), AttentionStats(2)
+        _attention(q, k, v, causal=False, precision=precision, stats=ours)
+        flash_attention(q, k, v, causal=False, precision=precision, backend="reference", stats=ref)
+        assert ours.rows.tolist() == ref.rows.tolist()
+        assert ours.repeated_max_rows.tolist() == ref.repeated_max_rows.tolist() == [128, 128]
+        assert ours.pbar_ones.tolist() == ref.pbar_ones.tolist()
+        assert torch.allclose(ours.max_score.cpu(), ref.max_score.cpu(), rtol=1e-2)
+    sfa = AttentionStats(2)
+    _attention(q, k, v, causal=False, precision="paper", stabilize=SFA(), stats=sfa)
+    assert sfa.pbar_ones.sum().item() == 0
+
+
+def test_per_head_override_and_strided_inputs():
+    B, T, H, D = 2, 77, 3, (16 if INTERPRET else 64)
+    qkv = torch.randn(B, T, 3 * H * D).to(torch.bfloat16).to(DEVICE)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))  # strided, as in GPT
+    policy = resolve("paper").with_heads([1], "fa2")
+    ours = _attention(q, k, v, precision=policy)
+    contiguous = _attention(q.contiguous(), k.contiguous(), v.contiguous(), precision=policy)
+    assert torch.equal(ours, contiguous)
+    head1 = _attention(q[:, 1:2].contiguous(), k[:, 1:2].contiguous(), v[:, 1:2].contiguous(), precision="fa2")
+    assert torch.equal(ours[:, 1:2].float(), head1.float())
+
+
+def test_unsupported_arguments_name_the_argument():
+    from stableflash.attention import triton as backend
+    q = torch.randn(1, 1, 8, 48, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"q: the triton backend supports head dims \(16, 32, 64, 128\)"):
+        backend.check(q, resolve("fa2"), None)
+    with pytest.raises(ValueError, match="delta_formula"):
+        backend.check(q[..., :32], resolve("paper").with_delta("dp_p"), None)
+
+
+@pytest.mark.skipif(INTERPRET, reason="torch.compile needs the GPU kernels")
+def test_custom_op_traces_without_graph_breaks():
+    from stableflash.attention.triton import ops
+    from stableflash.attention.triton.spec import build_spec
+
+    q, k, v = _inputs((2, 3, 200, 64))
+    key = ops.register_spec(build_spec(resolve("paper"), SFA(), torch.bfloat16, 200))
+    torch.library.opcheck(ops.flash_fwd, (q, k, v, True, 0.125, key, True, 1e-3))
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, backend="triton", stabilize=SFA()).float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    eager_grads = torch.autograd.grad(f(q, k, v), (q, k, v))
+    compiled_grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(eager_grads, compiled_grads):
+        assert torch.equal(a, b)
