@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 status=0
 for part in $parts; do
   case $part in
-    tests) python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/ --junitxml "$out/gpu-tests.xml" \
+    tests) python3 -m pytest -n 6 -m gpu -q -rs -p no:cacheprovider tests/ --junitxml "$out/gpu-tests.xml" \
              2>&1 | tee "$out/gpu-tests.log" | tail -25; status=$((status | PIPESTATUS[0])) ;;
     bench) python3 benchmarks/attention.py --out "$out/attention-bench-h200.json" 2>&1 | tee "$out/attention-bench.log" ;;
     train) python3 benchmarks/train_throughput.py --compile --steps 60 --warmup 10 --out "$out/train" \

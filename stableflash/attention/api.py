@@ -15,6 +15,7 @@ from stableflash.attention.stats import AttentionStats
 
 BACKENDS = ("auto", "reference", "triton", "math", "sdpa")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _check_inputs(q, k, v):
@@ -61,12 +62,9 @@ def _math_attention(q, k, v, scale, causal, stats):
 
 def triton_available(q: torch.Tensor) -> bool:
     """Whether the fused Triton kernels can run on these inputs (CUDA, Triton installed, head dim and dtype)."""
-    if not q.is_cuda:
+    if not (q.is_cuda and _HAS_TRITON):
         return False
-    try:
-        from stableflash.attention import triton as triton_backend
-    except ImportError:
-        return False
+    from stableflash.attention import triton as triton_backend
     return triton_backend.supports(q)
 
 
@@ -131,16 +129,16 @@ def flash_attention(
             raise ValueError("stats: backend 'sdpa' cannot count; use 'math', 'reference' or 'triton'")
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if backend == "triton":
-        if not q.is_cuda or importlib.util.find_spec("triton") is None:
+        if not q.is_cuda or not _HAS_TRITON:
             raise ValueError("backend: 'triton' needs CUDA tensors and the triton package; "
                              "use backend='reference' or 'auto'")
         from stableflash.attention import triton as triton_backend
-        triton_backend.check(q, policy, stabilize)
         return triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy,
                                         stabilize=stabilize, stats=stats)
     return reference_attention(q, k, v, scale=scale, causal=causal, policy=policy, stabilize=stabilize, stats=stats)
 
 
+@torch.compiler.assume_constant_result
 def _triton_supports(policy: Precision, stabilize, dtype: torch.dtype) -> bool:
     from stableflash.attention import triton as triton_backend
     return triton_backend.supports_policy(policy, stabilize, dtype)

@@ -8,19 +8,21 @@ in-kernel statistics.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from stableflash.attention.precision import Precision
 from stableflash.attention.reference import split_heads
 from stableflash.attention.stats import AttentionStats
-from stableflash.attention.triton.spec import HEAD_DIMS, build_spec, unsupported_reason
+from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, build_spec, unsupported_reason
 
 __all__ = ["attention", "supports", "supports_policy", "HEAD_DIMS"]
 
 
 def supports(q: torch.Tensor) -> bool:
     """Whether the kernels take inputs shaped and typed like `q` (head dim and dtype)."""
-    return q.shape[-1] in HEAD_DIMS and unsupported_reason(Precision(), None, q.dtype) is None
+    return q.shape[-1] in HEAD_DIMS and q.dtype in INPUT_DTYPES
 
 
 def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -34,12 +36,8 @@ def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfl
 
 def check(q: torch.Tensor, policy: Precision, stabilize) -> None:
     """Raise a ValueError naming the argument the kernels cannot take."""
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"q: the triton backend supports head dims {HEAD_DIMS}, got {q.shape[-1]}")
-    reason = unsupported_reason(policy, stabilize, q.dtype)
-    if reason is not None:
-        raise ValueError(f"precision: the triton backend cannot run policy {policy.name!r}: {reason}; "
-                         "use backend='reference'")
+    for pol in (policy.replace(head_override=None), *([policy.head_override[1]] if policy.head_override else [])):
+        _cached_key(pol, stabilize, q.dtype, q.shape[-1], q.shape[-2])
 
 
 def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabilize=None,
@@ -49,18 +47,39 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
         q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads))
 
 
+@torch.compiler.assume_constant_result
+def _kernel_key(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+    """The kernels' specialisation for these arguments (validated, built and registered once)."""
+    return _cached_key(policy, stabilize, dtype, head_dim, seq_len)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_key(policy, stabilize, dtype, head_dim, seq_len):
+    from stableflash.attention.triton import ops
+
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"q: the triton backend supports head dims {HEAD_DIMS}, got {head_dim}")
+    reason = unsupported_reason(policy, stabilize, dtype)
+    if reason is not None:
+        raise ValueError(f"precision: the triton backend cannot run policy {policy.name!r}: {reason}; "
+                         "use backend='reference'")
+    return ops.register_spec(build_spec(policy, stabilize, dtype, seq_len))
+
+
 def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
     from stableflash.attention.triton import ops
 
-    check(q, policy, stabilize)
-    if stats is not None and stabilize is not None and getattr(stabilize, "eps", stats.eps) != stats.eps:
-        raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
+    if stats is not None and stabilize is not None and stabilize.eps != stats.eps:
+        raise ValueError(f"stats: the triton backend counts near-maxima with the stabilizer's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
-    key = ops.register_spec(build_spec(policy, stabilize, q.dtype, q.shape[-2]))
-    out, _, _, counts, smax = ops.flash_fwd(q, k, v, causal, float(scale), key, stats is not None,
-                                            float(stats.eps) if stats is not None else 0.0)
+    B, H, T, D = q.shape
+    key = _kernel_key(policy, stabilize, q.dtype, D, T)
+    args = (q, k, v, causal, float(scale), key, stats is not None, float(stats.eps) if stats is not None else 0.0)
+    if torch.compiler.is_compiling():
+        out, _, _, counts, smax = ops.flash_fwd(*args)
+    else:
+        out, counts, smax = ops.FlashAttention.apply(*args)
     if stats is not None:
-        B, H, T, _ = q.shape
         stats.add(heads, rows=torch.full((H,), B * T, dtype=torch.int64, device=q.device),
                   repeated_max_rows=counts[:, 0].long(), pbar_ones=counts[:, 1].long(), max_score=smax)
     return out

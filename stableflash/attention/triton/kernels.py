@@ -136,8 +136,8 @@ def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale,
 @triton.jit
 def _near_max(s, rm, eps):
     """Per row: how many finite scores lie within eps of the row maximum rm."""
-    near = ((rm[:, None] - s) <= eps) & (s > float("-inf"))
-    return tl.sum(near.to(tl.int32), 1)
+    # -inf scores give gap +inf, and a row of -inf gives NaN: neither passes the test
+    return tl.sum(((rm[:, None] - s) <= eps).to(tl.int32), 1)
 
 
 @triton.jit
@@ -154,7 +154,7 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
         rs = _near_max(s, rm, eps_u)
         if STATS:
             repeated = tl.maximum(repeated, ((rs > 1) & row_ok).to(tl.int32))
-            smax = tl.maximum(smax, tl.max(tl.where(row_ok[:, None] & (s < float("inf")), s, float("-inf"))))
+            smax = tl.maximum(smax, tl.max(tl.where(row_ok & (rm < float("inf")), rm, float("-inf"))))
         if STAB == 1:
             rm = _sfa_max(rm, rs, BETA, LOW, HIGH, BOUNDED, False)
     m_new = tl.maximum(m, rm)
@@ -228,7 +228,7 @@ def _attn_fwd(
                 BOUNDED, CLAMP_CEIL)
         empty = m == float("-inf")
         o = acc / tl.where(empty, 1.0, l)[:, None]
-        lse = tl.where(empty, float("-inf"), (m + tl.math.log2(l)) / 1.4426950408889634)
+        lse = tl.where(empty, float("-inf"), m + tl.math.log2(l))  # base 2: the backward's units
         smax = smax / 1.4426950408889634
     else:
         for lt in range(0, hi, LT):
@@ -338,7 +338,8 @@ def _bwd_probs_t(k, q, lse, offs_n, offs_m, T, scale,
         s = _round(_round(_round(qkt, R_QK) * scale, R_QK), R_SCORES)
         pt = _round(_exp(_round(s - lse[None, :], R_P_SUB)), R_P)
     else:
-        pt = tl.math.exp2(qkt * scale - lse[None, :])
+        # P <= 1 exactly; with scores ~1e11 the recomputed S can exceed the saved lse by a few fp32 ulps
+        pt = tl.math.exp2(tl.minimum(qkt * scale - lse[None, :], 0.0))
     if MASKED:
         valid = (offs_m[None, :] < T) & (offs_n[:, None] < T)
         if CAUSAL:
@@ -357,7 +358,7 @@ def _bwd_probs(q, k, lse, offs_m, offs_n, T, scale,
         s = _round(_round(_round(qk, R_QK) * scale, R_QK), R_SCORES)
         p = _round(_exp(_round(s - lse[:, None], R_P_SUB)), R_P)
     else:
-        p = tl.math.exp2(qk * scale - lse[:, None])
+        p = tl.math.exp2(tl.minimum(qk * scale - lse[:, None], 0.0))
     if MASKED:
         valid = (offs_m[:, None] < T) & (offs_n[None, :] < T)
         if CAUSAL:
@@ -368,10 +369,8 @@ def _bwd_probs(q, k, lse, offs_m, offs_n, T, scale,
 
 @triton.jit
 def _load_lse(LSE, offs, T, EMU: tl.constexpr):
-    """Saved lse in the kernel's units; rows with no visible key (-inf) become +inf, so P = 0."""
+    """Saved lse (base 2 natively, natural under EMU); rows with no visible key (-inf) become +inf, so P = 0."""
     lse = tl.load(LSE + offs, mask=offs < T, other=0.0)
-    if not EMU:
-        lse = lse * 1.4426950408889634
     return tl.where(lse == float("-inf"), float("inf"), lse)
 
 

@@ -7,6 +7,7 @@ implementations that only describe output shapes.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,9 +31,12 @@ def _cfg(block_m, block_n, warps, stages):
 
 
 # Candidate tiles; the forward and dQ kernels need BLOCK_M % BLOCK_N == 0, the dK/dV kernel the reverse.
-_FWD_CONFIGS = [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)]
-_DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3), _cfg(16, 128, 4, 3)]
-_DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 16, 4, 3)]
+_FWD_CONFIGS = [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 128, 8, 2),
+                _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)]
+_DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(32, 128, 4, 5), _cfg(64, 128, 8, 3), _cfg(64, 128, 4, 3),
+                 _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)]
+_DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 32, 4, 5), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3),
+               _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
 _EMU_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
 
 
@@ -74,56 +78,91 @@ def _last_dim_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float):
-    """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,2) int32, max (H,) fp32)."""
+_FWD_CODES = ("R_QK", "R_SCORES", "R_ROW_MAX", "R_SUB", "R_PBAR", "R_PBAR_OP", "R_TILE_SUM", "R_PV", "R_RESCALE",
+              "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC", "R_DIV", "R_LSE", "R_LSE_ADD")
+_BWD_CODES = ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP", "R_DS1", "R_DS2", "R_DS", "R_DS_OP")
+
+
+@functools.cache
+def _meta(key: str):
+    """Compile-time arguments of each kernel for one spec, built once (launches are latency-bound at small sizes)."""
     spec = _SPECS[key]
+    codes = dict(spec.codes)
+    fwd = dict(CAUSAL=None, EMU=spec.emu, OPS_FP32=spec.ops_fp32, SAVE_OS=spec.save_fp32_o, STAB=spec.stab,
+               BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded, CLAMP_CEIL=spec.clamp_ceiling,
+               TILE_CLAMP=spec.tile_clamp, **{n: codes[n] for n in _FWD_CODES})
+    delta = dict(R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"])
+    bwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, **{n: codes[n] for n in _BWD_CODES})
+    dkdv = dict(R_P_OP=codes["R_P_OP"], R_DV=codes["R_DV"], R_DK=codes["R_DK"])
+    dq = dict(R_DQ=codes["R_DQ"])
+    return spec, fwd, delta, bwd, dkdv, dq
+
+
+def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float):
+    """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,2) int32, max (H,) fp32).
+
+    lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
+    Without `stats` the two counters are empty.
+    """
+    spec, meta, *_ = _meta(key)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
     out = torch.empty(B, H, T, D, dtype=spec.out_dtype, device=q.device)
     o_saved = torch.empty(B, H, T, D, dtype=torch.float32, device=q.device) if spec.save_fp32_o else out.new_empty(0)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    counts = torch.zeros(H, 2, dtype=torch.int32, device=q.device)
-    smax = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    if stats:
+        counts = torch.zeros(H, 2, dtype=torch.int32, device=q.device)
+        smax = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        counts = torch.empty(0, dtype=torch.int32, device=q.device)
+        smax = torch.empty(0, dtype=torch.float32, device=q.device)
     units = 1.0 if spec.emu else LOG2E
     eps_u = spec.eps if spec.stab == 1 else stats_eps * units
-    codes = dict(spec.codes)
-    fwd_codes = {n: codes[n] for n in ("R_QK", "R_SCORES", "R_ROW_MAX", "R_SUB", "R_PBAR", "R_PBAR_OP", "R_TILE_SUM",
-                                       "R_PV", "R_RESCALE", "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC",
-                                       "R_DIV", "R_LSE", "R_LSE_ADD")}
-    _launch(_fwd, kernels._attn_fwd, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H),
+    _launch(_fwd, kernels._attn_fwd, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
             q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
             *_strides(q), *_strides(k), *_strides(v), H, T, scale * units, eps_u, spec.logical_n,
-            HEAD_DIM=D, CAUSAL=causal, EMU=spec.emu, OPS_FP32=spec.ops_fp32, SAVE_OS=spec.save_fp32_o,
-            STAB=spec.stab, STATS=stats, BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded,
-            CLAMP_CEIL=spec.clamp_ceiling, TILE_CLAMP=spec.tile_clamp, **fwd_codes)
+            **{**meta, "CAUSAL": causal}, HEAD_DIM=D, STATS=stats)
     return out, o_saved, lse, counts, smax
 
 
 def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str):
-    spec = _SPECS[key]
+    spec, _, delta_meta, meta, dkdv_meta, dq_meta = _meta(key)
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
-    codes = dict(spec.codes)
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     block = 64
     kernels._attn_bwd_delta[(triton.cdiv(T, block), B * H)](
-        o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T, HEAD_DIM=D, BLOCK_M=block,
-        R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"])
+        o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T, HEAD_DIM=D, BLOCK_M=block, **delta_meta)
     dq = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
     units = 1.0 if spec.emu else LOG2E
-    shared = dict(HEAD_DIM=D, CAUSAL=causal, EMU=spec.emu, OPS_FP32=spec.ops_fp32,
-                  **{n: codes[n] for n in ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP", "R_DS1", "R_DS2", "R_DS",
-                                           "R_DS_OP")})
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
-    _launch(_dkdv, kernels._attn_bwd_dkdv, lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H),
+    _launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
             q, k, v, dout, lse, delta, dk, dv, *strides, H, T, scale * units, scale, spec.logical_m,
-            R_P_OP=codes["R_P_OP"], R_DV=codes["R_DV"], R_DK=codes["R_DK"], **shared)
-    _launch(_dq, kernels._attn_bwd_dq, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H),
+            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta)
+    _launch(_dq, kernels._attn_bwd_dq, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
             q, k, v, dout, lse, delta, dq, *strides, H, T, scale * units, scale, spec.logical_n,
-            R_DQ=codes["R_DQ"], **shared)
+            HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta)
     return dq, dk, dv
+
+
+class FlashAttention(torch.autograd.Function):
+    """Eager path: the same launchers without the custom-op dispatch (cheaper per call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, key, stats, stats_eps):
+        out, o_saved, lse, counts, smax = forward(q, k, v, causal, scale, key, stats, stats_eps)
+        ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse)
+        ctx.causal, ctx.scale, ctx.key = causal, scale, key
+        ctx.mark_non_differentiable(counts, smax)
+        return out, counts, smax
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        q, k, v, o_saved, lse = ctx.saved_tensors
+        dq, dk, dv = backward(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.key)
+        return dq, dk, dv, None, None, None, None, None
 
 
 # -- torch.library custom ops -------------------------------------------------------------------
