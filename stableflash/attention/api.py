@@ -8,9 +8,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from stableflash.attention.precision import Precision, resolve
+from stableflash.attention.precision import Precision, from_cache_key, resolve
 from stableflash.attention.reference import reference_attention
-from stableflash.attention.stabilize import check_stabilize
+from stableflash.attention.stabilize import cache_key, check_stabilize
+from stableflash.attention.stabilize import from_cache_key as stabilizer_from_cache_key
 from stableflash.attention.stats import AttentionStats
 
 BACKENDS = ("auto", "reference", "triton", "math", "sdpa")
@@ -117,7 +118,9 @@ def flash_attention(
         stats.check(q.shape[1])
 
     if backend == "auto":
-        backend = "triton" if triton_available(q) and _triton_supports(policy, stabilize, q.dtype) else "reference"
+        backend = "reference"
+        if triton_available(q) and _triton_supports(policy.cache_key, cache_key(stabilize), q.dtype):
+            backend = "triton"
     if backend in ("math", "sdpa"):
         if stabilize is not None:
             raise ValueError(f"stabilize: backend {backend!r} computes plain softmax; use backend='reference' or 'triton'")
@@ -139,6 +142,7 @@ def flash_attention(
 
 
 @torch.compiler.assume_constant_result
-def _triton_supports(policy: Precision, stabilize, dtype: torch.dtype) -> bool:
+def _triton_supports(policy_key: str, stabilize_key: str | None, dtype: torch.dtype) -> bool:
+    """By string keys, so that torch.compile evaluates it once at trace time (see triton._kernel_key)."""
     from stableflash.attention import triton as triton_backend
-    return triton_backend.supports_policy(policy, stabilize, dtype)
+    return triton_backend.supports_policy(from_cache_key(policy_key), stabilizer_from_cache_key(stabilize_key), dtype)

@@ -59,6 +59,14 @@ SITES = {
 }
 
 
+_BY_CACHE_KEY: dict[str, Precision] = {}
+
+
+def from_cache_key(key: str) -> Precision:
+    """The policy whose `cache_key` is `key` (every Precision registers itself on construction)."""
+    return _BY_CACHE_KEY[key]
+
+
 @dataclass(frozen=True)
 class Precision:
     """Format of every rounding site of tiled flash attention, plus tiling and knobs.
@@ -108,6 +116,12 @@ class Precision:
     """(heads, policy): these head indices are computed with the second policy."""
 
     def __post_init__(self):
+        self._validate()
+        # a plain-string identity, so compiled code can name a policy without tracing the dataclass
+        object.__setattr__(self, "cache_key", repr(self))
+        _BY_CACHE_KEY.setdefault(self.cache_key, self)
+
+    def _validate(self):
         for site in (*SITES, "compute"):
             value = getattr(self, site)
             if value != "input":

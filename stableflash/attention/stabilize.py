@@ -15,6 +15,22 @@ import torch
 from stableflash.numerics.formats import Format
 from stableflash.numerics.rounding import round_to
 
+_BY_CACHE_KEY: dict = {None: None}
+
+
+def _register(stabilizer) -> None:
+    """Give a stabilizer a plain-string identity (`cache_key`), so compiled code can name it cheaply."""
+    object.__setattr__(stabilizer, "cache_key", repr(stabilizer))
+    _BY_CACHE_KEY.setdefault(stabilizer.cache_key, stabilizer)
+
+
+def cache_key(stabilize) -> str | None:
+    return None if stabilize is None else stabilize.cache_key
+
+
+def from_cache_key(key: str | None):
+    return _BY_CACHE_KEY[key]
+
 
 @dataclass(frozen=True)
 class SFA:
@@ -47,6 +63,7 @@ class SFA:
             raise ValueError(f"SFA.eps: expected a number >= 0, got {self.eps!r}")
         if not self.max_shift > 0:
             raise ValueError(f"SFA.max_shift: expected a number > 0, got {self.max_shift!r}")
+        _register(self)
 
     def shift_bounds(self, pbar_format: Format) -> tuple[float, float]:
         """(min, max) shift m - rm that keeps max P̄ in (0, 1) in `pbar_format`."""
@@ -84,6 +101,7 @@ class ClampPbar:
     def __post_init__(self):
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
             raise ValueError(f"ClampPbar.eps: expected a number >= 0, got {self.eps!r}")
+        _register(self)
 
     @staticmethod
     def ceiling(pbar_format: Format) -> float:

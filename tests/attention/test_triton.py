@@ -198,8 +198,10 @@ def test_custom_op_traces_without_graph_breaks():
     if not INTERPRET:  # opcheck's fake-tensor and autograd checks (it re-runs the op many times)
         torch.library.opcheck(ops.flash_fwd, (q, k, v, True, 0.125, key, True, 1e-3))
 
+    sfa = SFA()  # policies and stabilizers are built outside compiled code, as the model does
+
     def f(q, k, v):
-        return _attention(q, k, v, stabilize=SFA()).float().square().sum()
+        return _attention(q, k, v, stabilize=sfa).float().square().sum()
 
     # on the CPU (interpreter) inductor would need a C++ toolchain: trace with aot_eager there
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if INTERPRET else "inductor")

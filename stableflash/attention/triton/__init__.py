@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from stableflash.attention import precision as precision_module
+from stableflash.attention import stabilize as stab_module
 from stableflash.attention.precision import Precision
 from stableflash.attention.reference import split_heads
 from stableflash.attention.stats import AttentionStats
@@ -48,9 +50,13 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
 
 
 @torch.compiler.assume_constant_result
-def _kernel_key(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
-    """The kernels' specialisation for these arguments (validated, built and registered once)."""
-    return _cached_key(policy, stabilize, dtype, head_dim, seq_len)
+def _kernel_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+    """The kernels' specialisation for these arguments (validated, built and registered once).
+
+    Takes the policy and stabilizer by their string keys: under torch.compile this runs once at
+    trace time and its result is a constant of the graph."""
+    return _cached_key(precision_module.from_cache_key(policy_key), stab_module.from_cache_key(stabilize_key), dtype, head_dim,
+                       seq_len)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -73,7 +79,7 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
         raise ValueError(f"stats: the triton backend counts near-maxima with the stabilizer's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
     B, H, T, D = q.shape
-    key = _kernel_key(policy, stabilize, q.dtype, D, T)
+    key = _kernel_key(policy.cache_key, stab_module.cache_key(stabilize), q.dtype, D, T)
     args = (q, k, v, causal, float(scale), key, stats is not None, float(stats.eps) if stats is not None else 0.0)
     if torch.compiler.is_compiling():
         out, _, _, counts, smax = ops.flash_fwd(*args)

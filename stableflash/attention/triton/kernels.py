@@ -151,11 +151,12 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
                 False, False, 0, 0)
     rm = tl.max(s, 1)
     if STATS or STAB == 1:
-        rs = _near_max(s, rm, eps_u)
+        # near-maxima: s >= rm - eps (a row with no finite score has none)
+        near = (s >= tl.where(rm > float("-inf"), rm - eps_u, float("inf"))[:, None]).to(tl.int32)
         if STATS:
-            repeated = tl.maximum(repeated, ((rs > 1) & row_ok).to(tl.int32))
             smax = tl.maximum(smax, tl.max(tl.where(row_ok & (rm < float("inf")), rm, float("-inf"))))
         if STAB == 1:
+            rs = tl.sum(near, 1)
             rm = _sfa_max(rm, rs, BETA, LOW, HIGH, BOUNDED, False)
     m_new = tl.maximum(m, rm)
     # rows that have seen no finite score keep m = -inf; shift them by 0 so exp gives 0, not NaN
@@ -165,7 +166,15 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
         p = tl.minimum(p, CLAMP_CEIL)
     p_op = _cast(p, V.dtype.element_ty)
     if STATS:
-        ones += tl.sum(tl.sum(((p_op == 1.0) & row_ok[:, None]).to(tl.int32), 1), 0)
+        is_one = (p_op == 1.0).to(tl.int32)
+        if STAB == 1:
+            ones_row = tl.sum(is_one, 1)
+        else:  # both counters from one row reduction: near-maxima in the low 16 bits, P̄ = 1 above
+            packed = tl.sum(near + (is_one << 16), 1)
+            rs = packed & 65535
+            ones_row = packed >> 16
+        repeated = tl.maximum(repeated, ((rs > 1) & row_ok).to(tl.int32))
+        ones += tl.sum(tl.where(row_ok, ones_row, 0), 0)
     alpha = tl.math.exp2(m - m_shift)
     l = l * alpha + tl.sum(p, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
