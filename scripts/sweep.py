@@ -89,9 +89,16 @@ def main():
                 cfg = load_config(args.config, overrides)
                 run_dir = args.out / "runs" / f"{len(results['runs']):03d}"
                 t0 = time.time()
-                train(cfg, run_dir)
-                row = {"cell": cell, "setting": setting, "seed": int(seed), "wall_s": time.time() - t0,
-                       **summarise(run_dir)}
+                row = {"cell": cell, "setting": setting, "seed": int(seed)}
+                try:
+                    train(cfg, run_dir)
+                except Exception as error:  # one broken setting must not lose the rest of the sweep
+                    row.update(error=f"{type(error).__name__}: {str(error)[:300]}", wall_s=time.time() - t0)
+                    results["runs"].append(row)
+                    print(f"{' '.join(cell):<30} {setting:<11} seed {seed}: ERROR {row['error']}", flush=True)
+                    (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
+                    continue
+                row.update(wall_s=time.time() - t0, **summarise(run_dir))
                 results["runs"].append(row)
                 print(f"{' '.join(cell):<30} {setting:<11} seed {seed}: best {row['best_loss']:.3f} final "
                       f"{row['final_loss']:.3f} failed={row['failed']} peakWq={row['peak_wq_spectral_norm']:.2f} "
