@@ -102,7 +102,7 @@ def main():
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d"),
             "commit": os.environ.get("STABLEFLASH_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None),
-            "dtype": "bf16", "causal": True, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
+            "dtype": "bf16", "causal": True, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
             "flops": "fwd 4*B*H*T^2*D/2, fwd+bwd 3.5x",
             "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed"}
     args.out.parent.mkdir(parents=True, exist_ok=True)

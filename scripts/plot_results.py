@@ -1,0 +1,82 @@
+"""Redraw the committed GPU figures from their JSON (no GPU needed).
+
+    python scripts/plot_results.py            # every figure under results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"paper": "tab:red", "bf16": "tab:orange", "fa2": "tab:purple", "fp32": "tab:blue", "sdpa": "tab:green",
+          "paper-sfa": "tab:brown", "paper-pv32": "tab:pink", "ref-paper": "darkred", "ref-fp32": "navy"}
+
+
+def plot_sweep(path: Path) -> Path:
+    """Loss curves of every run, one panel per grid cell, colour by attention setting."""
+    runs = [r for r in json.loads(path.read_text())["runs"] if "loss_curve" in r]
+    cells = list(dict.fromkeys(" ".join(r["cell"]) or "base" for r in runs))
+    fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4), squeeze=False)
+    for ax, cell in zip(axes[0], cells):
+        seen = set()
+        for r in runs:
+            if (" ".join(r["cell"]) or "base") != cell:
+                continue
+            stride = r["loss_curve"]["stride"]
+            values = r["loss_curve"]["values"]
+            label = r["setting"] if r["setting"] not in seen else None
+            seen.add(r["setting"])
+            ax.plot([i * stride for i in range(len(values))], values, color=COLORS.get(r["setting"]), alpha=0.8,
+                    lw=1, label=label)
+        ax.set_title(f"{path.parent.name}: {cell}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_ylim(0.8, 4.0)
+        ax.legend(fontsize=8)
+    out = path.with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_attention_bench(path: Path) -> Path:
+    """Forward+backward TFLOP/s per shape and implementation."""
+    rows = json.loads(path.read_text())["rows"]
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    by = {(tuple(r["shape"]), r["impl"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        values = [by.get((s, impl), {}).get("fwdbwd_tflops") or 0 for s in shapes]
+        ax.bar([j + i * width for j in range(len(shapes))], values, width, label=impl)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [str(list(s)) for s in shapes])
+    ax.set_ylabel("forward+backward TFLOP/s (causal, bf16)")
+    ax.set_title(f"{path.name}: {json.loads(path.read_text())['meta'].get('gpu')}")
+    ax.legend(fontsize=7, ncol=3)
+    out = path.with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=Path("results"))
+    args = parser.parse_args()
+    for path in sorted(args.results.glob("sweep-*/sweep.json")):
+        print(plot_sweep(path))
+    for path in sorted(args.results.glob("attention-bench-*.json")):
+        print(plot_attention_bench(path))
+
+
+if __name__ == "__main__":
+    main()
