@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="write train.bin/val.bin token memmaps")
     add_prepare_arguments(p)
     p.set_defaults(func=_prepare)
+    from stableflash.diagnose.cli import add_commands
+    add_commands(sub)
     return parser
 
 

@@ -79,6 +79,7 @@ class CausalSelfAttention(nn.Module):
         self.stats: AttentionStats | None = None  # set by the monitor when it wants counts
         self.track_max_logit = cfg.qk_clip > 0
         self.max_logit: torch.Tensor | None = None
+        self.capture: list[dict] | None = None  # set by diagnose.capture to record q, k, v and dO
 
     def forward(self, x):
         B, T, C = x.shape
@@ -96,6 +97,9 @@ class CausalSelfAttention(nn.Module):
         a = self.attention
         y = flash_attention(q, k, v, causal=True, precision=a.precision, stabilize=a.stabilize,
                             backend=a.backend, stats=self.stats)
+        if self.capture is not None:  # the pre-hook opened this layer's record
+            y.retain_grad()
+            self.capture[-1].update(q=q.detach(), k=k.detach(), v=v.detach(), y=y)
         y = y.to(v.dtype)
         if self.c_gate is not None:
             gate = torch.sigmoid(self.c_gate(x)).view(B, T, self.n_head, self.head_dim).transpose(1, 2)

@@ -1,0 +1,171 @@
+"""The `diagnose`, `isolate` and `report` sub-commands (thin: parse, call, save, print)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _config(args):
+    from stableflash.train.config import load_config
+    return load_config(args.config, args.overrides)
+
+
+def _delta(args) -> int:
+    from stableflash.diagnose.delta import delta_trace, model_delta_errors, resumed_trainer
+
+    cfg = _config(args)
+    with resumed_trainer(cfg, args.checkpoint, args.replay) as trainer:
+        x, y = next(iter(trainer.micro_batches(trainer.step)))
+        errors = model_delta_errors(trainer.model, x, y, args.low, args.high)
+    path = errors.save(args.out / "delta.json")
+    for i, layer in enumerate(errors.layers):
+        print(f"layer {i}: δ error sum per head " + " ".join(f"{v:+.3e}" for v in layer["sum"]))
+    if args.steps > 0:
+        trace = delta_trace(cfg, args.checkpoint, args.replay, args.steps, layer=args.layer, low=args.low, high=args.high)
+        print(f"δ trace over {args.steps} steps, layer {args.layer}: final cumulative sum per head "
+              + " ".join(f"{v:+.3e}" for v in trace.cumulative[-1]))
+        trace.save(args.out / "delta-trace.json")
+    print(f"wrote {path.parent}")
+    return 0
+
+
+def _decompose(args) -> int:
+    from stableflash.attention.precision import resolve
+    from stableflash.attention.reference import forward_and_delta
+    from stableflash.diagnose.capture import capture_attention
+    from stableflash.diagnose.decompose import WqErrorDecomposition, WqErrorStudy, alignment_across_steps, decompose_wq_error
+    from stableflash.diagnose.delta import resumed_trainer
+
+    cfg = _config(args)
+    results, steps = [], []
+    with resumed_trainer(cfg, args.checkpoint, args.replay) as trainer:
+        for step in range(trainer.step, trainer.step + args.steps):
+            x, y = next(iter(trainer.micro_batches(step)))
+            c = capture_attention(trainer.model, x, y)[args.layer]
+            trainer.model.zero_grad(set_to_none=True)
+            h, D = args.head, c.q.shape[-1]
+            q, k, v, dout = (t[:, h:h + 1] for t in (c.q, c.k, c.v, c.dout))
+            deltas = [forward_and_delta(q, k, v, dout, policy=resolve(p))[1][:, 0] for p in (args.high, args.low)]
+            d = decompose_wq_error(c.x, c.w_q[h * D:(h + 1) * D], k[:, 0], v[:, 0], dout[:, 0], *deltas,
+                                   scale=D ** -0.5)
+            results.append(d.to_dict())
+            steps.append(step)
+            print(f"step {step}: residual {d.relative_residual:.2e}, top-direction share {d.top_singular_share:.3f}, "
+                  f"token cosine {d.token_cosine_mean:+.3f}, δ error mean {d.delta_error_mean:+.2e}")
+            trainer.train_step(step)
+    study = WqErrorStudy(layer=args.layer, head=args.head, low=args.low, high=args.high, steps=steps,
+                         decompositions=results,
+                         alignment=alignment_across_steps([WqErrorDecomposition(**r) for r in results]))
+    print(f"alignment of the top direction across steps: {[round(a, 3) for a in study.alignment]}")
+    study.save(args.out / "decompose.json")
+    return 0
+
+
+def _bias(args) -> int:
+    from stableflash.diagnose.bias import bias_attribution
+    from stableflash.diagnose.mechanism import tied_maxima_inputs
+
+    q, k, v, dout = tied_maxima_inputs(args.ties, heads=args.heads, keys=args.keys, seed=args.seed)
+    result = bias_attribution(q, k, v, dout, args.policy)
+    print(f"bias of `{args.policy}` against fp64 on {args.ties} tied maxima per row, split by rounding site:")
+    print(result.to_markdown())
+    result.save(args.out / "bias.json")
+    return 0
+
+
+def _pv_trace(args) -> int:
+    from stableflash.diagnose.mechanism import tied_maxima_inputs
+    from stableflash.diagnose.pv_trace import pv_trace_from_attention
+
+    q, k, v, _ = tied_maxima_inputs(args.ties, heads=1, keys=args.keys, seed=args.seed)
+    trace = pv_trace_from_attention(q, k, v, row=args.row, feature=args.feature, causal=False)
+    print(f"P̄V trace of row {trace.row}, feature {trace.feature}: final error {trace.error[-1]:+.3e}, "
+          f"{len(trace.ones)} keys with P̄ = 1; the largest jump, at key {trace.largest_jump}:")
+    print(trace.explanation_text)
+    trace.save(args.out / "pv-trace.json")
+    return 0
+
+
+def _spectral(args) -> int:
+    from stableflash.diagnose.spectral import spectral_history
+
+    history = spectral_history(args.run)
+    print(f"{len(history.steps)} monitored steps; peak W_Q spectral norm {history.peak('q'):.2f}")
+    history.save(args.out / "spectral.json")
+    return 0
+
+
+def _isolate(args) -> int:
+    from stableflash.diagnose.isolate import run_isolation
+
+    table = run_isolation(args.config, args.out, experiments=args.experiments, replay=args.replay,
+                          checkpoint=args.from_checkpoint, layer=args.layer, overrides=args.overrides)
+    print(table.to_markdown())
+    return 0
+
+
+def _report(args) -> int:
+    from stableflash.diagnose.report import build_report
+
+    print(f"wrote {build_report(args.runs, args.out)}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("diagnose", help="the seed's analyses: delta, decompose, bias, pv-trace, spectral")
+    which = p.add_subparsers(dest="diagnostic", required=True)
+
+    def common(q, checkpoint=True):
+        q.add_argument("--out", type=Path, required=True, help="folder for the JSON")
+        if checkpoint:
+            q.add_argument("--config", required=True)
+            q.add_argument("--checkpoint", required=True, help="run folder or checkpoint.pt")
+            q.add_argument("--replay", default=None, help="run folder whose batches.jsonl to replay")
+            q.add_argument("--set", dest="overrides", action="append", default=[])
+            q.add_argument("--low", default="paper")
+            q.add_argument("--high", default="fp64")
+            q.add_argument("--layer", type=int, default=0)
+
+    q = which.add_parser("delta", help="δ_lp - δ_hp per layer and head; with --steps, its running sum over steps")
+    common(q)
+    q.add_argument("--steps", type=int, default=0)
+    q.set_defaults(func=_delta)
+    q = which.add_parser("decompose", help="W_Q gradient error as rank-1 terms, their similarity and alignment")
+    common(q)
+    q.add_argument("--head", type=int, default=0)
+    q.add_argument("--steps", type=int, default=3)
+    q.set_defaults(func=_decompose)
+    for name, func, help_ in (("bias", _bias, "bias of O and δ split by rounding site (tied-maxima inputs)"),
+                              ("pv-trace", _pv_trace, "cumulative P̄V error along the keys (tied-maxima inputs)")):
+        q = which.add_parser(name, help=help_)
+        common(q, checkpoint=False)
+        q.add_argument("--ties", type=int, default=4)
+        q.add_argument("--keys", type=int, default=256)
+        q.add_argument("--seed", type=int, default=0)
+        if name == "bias":
+            q.add_argument("--policy", default="paper")
+            q.add_argument("--heads", type=int, default=16)
+        else:
+            q.add_argument("--row", type=int, default=0)
+            q.add_argument("--feature", type=int, default=0)
+        q.set_defaults(func=func)
+    q = which.add_parser("spectral", help="W_Q/K/V/O spectral norms per head from a run's monitor log")
+    q.add_argument("run", type=Path)
+    common(q, checkpoint=False)
+    q.set_defaults(func=_spectral)
+
+    p = sub.add_parser("isolate", help="the isolation experiments on one config, data and starting state")
+    p.add_argument("--config", required=True)
+    p.add_argument("--replay", default=None, help="run folder whose batches to replay")
+    p.add_argument("--from-checkpoint", default=None)
+    p.add_argument("--experiments", default="all")
+    p.add_argument("--layer", type=int, default=0, help="the layer L of the per-layer and per-head experiments")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.set_defaults(func=_isolate)
+
+    p = sub.add_parser("report", help="one HTML page of the figures and tables of run folders")
+    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, default=Path("report.html"))
+    p.set_defaults(func=_report)
+

@@ -1,0 +1,73 @@
+import math
+
+import pytest
+import torch
+
+from stableflash.diagnose.bias import BiasAttribution, bias_attribution
+from stableflash.diagnose.delta import DeltaErrors, delta_error, model_delta_errors
+from stableflash.diagnose.mechanism import tied_maxima_inputs
+from stableflash.diagnose.pv_trace import PVTrace, pv_trace, pv_trace_from_attention
+from stableflash.diagnose.record import Record
+
+
+def test_site_contributions_and_remainder_sum_to_the_total(tmp_path):
+    q, k, v, dout = tied_maxima_inputs(4, heads=4, keys=128)
+    a = bias_attribution(q, k, v, dout, "paper")
+    for key in ("o", "delta"):
+        parts = sum(row[key]["mean"] for row in a.sites) + a.remainder[key]["mean"]
+        assert parts == pytest.approx(a.total[key]["mean"], rel=1e-9, abs=1e-15)
+        for est in [a.total[key], a.remainder[key], *(row[key] for row in a.sites)]:
+            assert est["low"] <= est["mean"] <= est["high"] and est["n"] == 4 * 128
+    # the seed's signs: O biased negative, δ positive, each interval excluding zero
+    assert a.total["o"]["high"] < 0 < a.total["delta"]["low"]
+    assert {g["group"] for g in a.groups} == {"P̄V path", "row statistics"}
+    assert BiasAttribution.load(a.save(tmp_path / "bias.json")) == a
+    with pytest.raises(ValueError, match="sites: unknown"):
+        bias_attribution(q, k, v, dout, "paper", sites=["nope"])
+
+
+def test_pv_trace_marks_the_ones_and_explains_the_largest_jump(tmp_path):
+    pbar = torch.tensor([1.0, 0.5, 1.0, 0.25, 1.0]).bfloat16()
+    values = torch.tensor([-2.40625, -2.296875, -2.3125, -1.0, -2.5]).bfloat16()
+    t = pv_trace(pbar, values, "bf16")
+    assert t.ones == [0, 2, 4]
+    exact = sum(p * x for p, x in zip(pbar.double().tolist(), values.double().tolist()))
+    assert t.high[-1] == pytest.approx(exact)
+    assert t.error[-1] == pytest.approx(t.low[-1] - exact)
+    assert t.explanation["format"] == "bf16" and "guard" in t.explanation_text.lower()
+    assert PVTrace.load(t.save(tmp_path / "pv-trace.json")) == t
+    q, k, v, _ = tied_maxima_inputs(4, heads=1, keys=64)
+    trace = pv_trace_from_attention(q, k, v, row=3, causal=False)
+    assert len(trace.ones) >= 4  # the tied maxima all give P̄ = 1
+    with pytest.raises(ValueError, match="pbar, values"):
+        pv_trace(pbar, values[:3])
+
+
+def test_delta_error_is_biased_positive_on_tied_maxima():
+    q, k, v, dout = tied_maxima_inputs(4, heads=4, keys=128)
+    err = delta_error(q, k, v, dout, "paper", "fp64", causal=False)
+    assert err.shape == (1, 4, 128) and err.mean() > 0
+    assert torch.equal(delta_error(q, k, v, dout, "fp64", "fp64", causal=False), torch.zeros_like(err))
+
+
+def test_model_delta_errors_per_layer_and_head(tiny, tmp_path):
+    from stableflash.model.gpt import GPT
+
+    cfg = tiny()
+    torch.manual_seed(0)
+    model = GPT(cfg.model, cfg.attention)
+    x = torch.randint(0, 256, (2, cfg.model.block_size))
+    errors = model_delta_errors(model, x, torch.roll(x, -1, 1), "paper", "fp64")
+    assert len(errors.layers) == cfg.model.n_layer
+    for layer in errors.layers:
+        assert len(layer["sum"]) == cfg.model.n_head and all(math.isfinite(s) for s in layer["sum"])
+        assert len(layer["per_token"]) == cfg.model.n_head and len(layer["per_token"][0]) == cfg.model.block_size
+    assert all(p.grad is None for p in model.parameters())
+    assert DeltaErrors.load(errors.save(tmp_path / "delta.json")) == errors
+
+
+def test_record_refuses_another_kind(tmp_path):
+    path = DeltaErrors(low="a", high="b", layers=[]).save(tmp_path / "x.json")
+    with pytest.raises(ValueError, match="holds a DeltaErrors"):
+        PVTrace.load(path)
+    assert issubclass(PVTrace, Record)

@@ -1,0 +1,113 @@
+"""The diagnostics that need training runs: δ trace, spectral history, isolation runner, report, CLI."""
+
+import base64
+import json
+import re
+
+import pytest
+
+from stableflash.cli import main
+from stableflash.diagnose.delta import DeltaTrace, delta_trace
+from stableflash.diagnose.isolate import EXPERIMENTS, IsolationTable, run_isolation
+from stableflash.diagnose.report import build_report
+from stableflash.diagnose.spectral import SpectralHistory, spectral_history
+from stableflash.train.loop import train
+
+SHORT = ["run.max_steps=6", "monitor.interval=2", "run.eval_interval=0", "run.checkpoint_interval=3"]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, data_dir):
+    from stableflash.train.config import load_config
+
+    out = tmp_path_factory.mktemp("base")
+    cfg = load_config("tiny-cpu", [f"data.data_dir={data_dir}", "run.progress=false", *SHORT])
+    train(cfg, out)
+    return out, [f"data.data_dir={data_dir}", "run.progress=false", *SHORT]
+
+
+def test_spectral_history_reads_the_monitor(base_run, tmp_path):
+    run, _ = base_run
+    history = spectral_history(run)
+    assert history.steps == [0, 2, 4] or len(history.steps) >= 2
+    assert len(history.norms["q"][0]) == 2 and len(history.norms["q"][0][0]) == 2  # layers x heads
+    assert history.peak("q") > 0
+    assert SpectralHistory.load(history.save(tmp_path / "s.json")) == history
+    with pytest.raises(FileNotFoundError, match="monitor.jsonl"):
+        spectral_history(tmp_path)
+
+
+def test_delta_trace_follows_replayed_steps(base_run, tiny, tmp_path):
+    run, overrides = base_run
+    cfg = tiny(*SHORT, "run.max_steps=12")
+    # the checkpoint is at step 6, past the run's recorded batches: the seeded data continues from there
+    trace = delta_trace(cfg, run, None, steps=3, layer=1)
+    assert trace.steps == [6, 7, 8]
+    assert len(trace.cumulative) == 3 and len(trace.cumulative[0]) == cfg.model.n_head
+    assert trace.cumulative[-1][0] == pytest.approx(sum(s[0] for s in trace.sums))
+    assert DeltaTrace.load(trace.save(tmp_path / "delta-trace.json")) == trace
+    with pytest.raises(ValueError, match="layer"):
+        delta_trace(cfg, run, None, steps=1, layer=5)
+
+
+def test_isolation_runs_the_whole_list_and_resumes(base_run, tmp_path):
+    run, overrides = base_run
+    table = run_isolation("tiny-cpu", tmp_path / "iso", replay=run, overrides=overrides, layer=1)
+    assert [r["experiment"] for r in table.rows] == list(EXPERIMENTS)
+    for row in table.rows:
+        assert row["steps"] == 6 and row["final_loss"] > 0 and row["peak_wq_spectral_norm"] > 0
+    # every experiment saw the same replayed batches
+    batches = {(tmp_path / "iso" / name / "batches.jsonl").read_text() for name in EXPERIMENTS}
+    assert len(batches) == 1
+    saved = IsolationTable.load(tmp_path / "iso" / "isolation.json")
+    assert saved.rows == json.loads(json.dumps(table.rows))
+    assert "| heads-fp32 |" in (tmp_path / "iso" / "isolation.md").read_text()
+    # a second call finds every summary and trains nothing
+    mtimes = {n: (tmp_path / "iso" / n / "metrics.jsonl").stat().st_mtime_ns for n in EXPERIMENTS}
+    run_isolation("tiny-cpu", tmp_path / "iso", replay=run, overrides=overrides, layer=1)
+    assert mtimes == {n: (tmp_path / "iso" / n / "metrics.jsonl").stat().st_mtime_ns for n in EXPERIMENTS}
+
+
+def test_isolation_from_a_checkpoint(base_run, tmp_path):
+    run, overrides = base_run
+    table = run_isolation("tiny-cpu", tmp_path / "iso", experiments="baseline,fp32,qk-norm", checkpoint=run,
+                          overrides=[*overrides, "run.max_steps=9"])
+    rows = {r["experiment"]: r for r in table.rows}
+    assert "skipped" in rows["qk-norm"]
+    assert rows["baseline"]["steps"] == 3  # continued from the checkpoint at step 6 to step 9
+    # the experiment's attention, not the one recorded in the checkpoint, ran
+    assert rows["fp32"]["final_loss"] != rows["baseline"]["final_loss"]
+    with pytest.raises(ValueError, match="--experiments: unknown"):
+        run_isolation("tiny-cpu", tmp_path / "x", experiments="warp-drive", overrides=overrides)
+
+
+def test_report_embeds_every_figure(base_run, tmp_path):
+    run, _ = base_run
+    assert main(["diagnose", "bias", "--ties", "3", "--keys", "64", "--out", str(tmp_path / "diag")]) == 0
+    assert main(["diagnose", "pv-trace", "--ties", "3", "--keys", "64", "--out", str(tmp_path / "diag")]) == 0
+    assert main(["diagnose", "spectral", str(run), "--out", str(tmp_path / "diag")]) == 0
+    (tmp_path / "diag" / "delta-trace.json").write_text(json.dumps(
+        {"kind": "DeltaTrace", "low": "paper", "high": "fp64", "layer": 0, "steps": [0, 1],
+         "sums": [[0.1, -0.2], [0.3, 0.1]], "cumulative": [[0.1, -0.2], [0.4, -0.1]]}))
+    out = build_report([run, tmp_path / "diag"], tmp_path / "report.html")
+    page = out.read_text()
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    # loss, spectral heat map, repeated maxima vs loss, δ cumulative sum, P̄V trace
+    assert len(images) == 5
+    assert all(base64.b64decode(img)[:8] == b"\x89PNG\r\n\x1a\n" for img in images)
+    assert "Bias attribution" in page and "<table>" in page
+    with pytest.raises(FileNotFoundError, match="RUN_DIR"):
+        build_report([tmp_path / "nope"], tmp_path / "r.html")
+
+
+def test_cli_diagnose_delta_and_decompose(base_run, tmp_path, capsys):
+    run, overrides = base_run
+    sets = [a for o in [*overrides, "run.max_steps=12"] for a in ("--set", o)]
+    assert main(["diagnose", "delta", "--config", "tiny-cpu", "--checkpoint", str(run),
+                 "--steps", "2", "--out", str(tmp_path / "d"), *sets]) == 0
+    assert (tmp_path / "d" / "delta.json").exists() and (tmp_path / "d" / "delta-trace.json").exists()
+    assert main(["diagnose", "decompose", "--config", "tiny-cpu", "--checkpoint", str(run),
+                 "--steps", "2", "--layer", "1", "--head", "1", "--out", str(tmp_path / "d"), *sets]) == 0
+    study = json.loads((tmp_path / "d" / "decompose.json").read_text())
+    assert len(study["decompositions"]) == 2 and len(study["alignment"]) == 1
+    assert "residual" in capsys.readouterr().out
