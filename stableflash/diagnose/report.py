@@ -73,7 +73,8 @@ def build_report(run_dirs: list[str | Path], out: str | Path, title: str = "stab
                              "diagnostic JSON)")
         page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}img{{max-width:100%}}
-pre{{font-size:11px;white-space:pre-wrap}}table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #999;padding:3px 6px}}</style></head><body>
+pre{{font-size:11px;white-space:pre-wrap}}
+table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #999;padding:3px 6px}}</style></head><body>
 <h1>{html.escape(title)}</h1><p>Runs: {html.escape(', '.join(str(r) for r in run_dirs))}</p>
 {''.join(sections)}</body></html>"""
     out = Path(out)
