@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
 # The interpreter (TRITON_INTERPRET=1, used by the CPU tests) has no libdevice and
 # multiplies bf16 tiles wrongly in tl.dot (triton 3.6), so it takes fp32 paths instead.
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -240,7 +241,7 @@ def _attn_fwd(
         empty = m == float("-inf")
         o = acc / tl.where(empty, 1.0, l)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.math.log2(l))  # base 2: the backward's units
-        smax = smax / 1.4426950408889634
+        smax = smax / _LOG2E
     else:
         for lt in range(0, hi, LT):
             lt_end = tl.minimum(lt + LT, hi)
