@@ -75,8 +75,8 @@ def _cached_key(policy, stabilize, dtype, head_dim, seq_len):
 def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
     from stableflash.attention.triton import ops
 
-    if stats is not None and stabilize is not None and stabilize.eps != stats.eps:
-        raise ValueError(f"stats: the triton backend counts near-maxima with the stabilizer's eps ({stabilize.eps}); "
+    if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
+        raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
     B, H, T, D = q.shape
     key = _kernel_key(policy.cache_key, stab_module.cache_key(stabilize), q.dtype, D, T)
