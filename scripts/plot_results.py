@@ -68,6 +68,34 @@ def plot_attention_bench(path: Path) -> Path:
     return out
 
 
+def plot_probe_run(run: Path) -> Path:
+    """Loss, gradient norm and the largest attention logit per layer of one training run folder."""
+    import math
+
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = [m for m in metrics if "loss" in m]
+    monitor = [json.loads(line) for line in (run / "monitor.jsonl").read_text().splitlines() if line.strip()]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    axes[0].plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1)
+    axes[0].set_title("training loss")
+    axes[1].semilogy([m["step"] for m in metrics], [m["grad_norm"] if math.isfinite(m["grad_norm"]) else 1e38
+                                                    for m in metrics], lw=1)
+    axes[1].set_title("gradient norm before clipping (inf drawn at 1e38)")
+    for layer in range(len(monitor[0]["attention"])):
+        axes[2].semilogy([m["step"] for m in monitor], [max(m["attention"][layer]["max_score"]) for m in monitor],
+                         marker="o", label=f"layer {layer}")
+    axes[2].set_title("largest attention logit (scaled score)")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.suptitle(run.name)
+    out = run.parent / f"{run.name}.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -76,6 +104,8 @@ def main():
         print(plot_sweep(path))
     for path in sorted(args.results.glob("attention-bench-*.json")):
         print(plot_attention_bench(path))
+    for run in sorted(p.parent for p in args.results.glob("probe-*/*/metrics.jsonl")):
+        print(plot_probe_run(run))
 
 
 if __name__ == "__main__":

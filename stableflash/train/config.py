@@ -181,6 +181,12 @@ class MonitorConfig:
     """...and at least this fraction of its rows."""
     spike_factor: float = 3.0
     """Stop when the loss exceeds this multiple of its running median (after warm-up)."""
+    grad_warn_factor: float = 10.0
+    """Warn when the gradient norm exceeds this multiple of its running median, or is not finite."""
+    logit_warn_factor: float = 3.0
+    """Warn when a head's largest attention logit exceeds this multiple of its running median..."""
+    logit_warn_min: float = 200.0
+    """...and this value (logit growth: the failure QK-norm and QK-clip address)."""
     action: str = "none"
     """On a warning: none | sfa | fp32 (switch that layer) | rollback."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import signal
@@ -225,8 +226,12 @@ class Trainer:
             dist.all_reduce(total, op=dist.ReduceOp.AVG)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+        # a non-finite norm would make clipping multiply by 0 (inf grads -> NaN weights, huge finite ones -> a
+        # silent zero step): skip the update instead; run() logs it
+        finite = bool(torch.isfinite(grad_norm))
         for opt in self.optimizers:
-            opt.step()
+            if finite:
+                opt.step()
             opt.zero_grad(set_to_none=True)
         if cfg.model.qk_clip > 0:
             for attn in self.model.attentions:
@@ -287,6 +292,12 @@ class Trainer:
                 if progress is not None:
                     progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                     progress.update(1)
+                if not math.isfinite(grad_norm):
+                    self._log("events.jsonl", {"step": self.step, "kind": "skipped_step",
+                                               "reason": f"gradient norm {grad_norm}"})
+                grad_event = self.monitor.check_grad(self.step, grad_norm) if self.is_main else None
+                if grad_event is not None:
+                    self._log("events.jsonl", grad_event)
                 if monitored and self.is_main:
                     entry, events = self.monitor.observe(self.step, self.model, loss)
                     self._log("monitor.jsonl", entry)

@@ -65,7 +65,9 @@ class Monitor:
         self.enabled = enabled and cfg.interval > 0
         self.spectral = SpectralNorms(cfg.power_iters)
         self.losses: deque[float] = deque(maxlen=50)
+        self.grad_norms: deque[float] = deque(maxlen=50)
         self.history: dict[tuple[int, int], deque[float]] = {}
+        self.logit_history: dict[tuple[int, int], deque[float]] = {}
         self.n_head = model.config.n_head
         self.armed = False
 
@@ -99,6 +101,51 @@ class Monitor:
         self.losses.append(loss)
         return reason
 
+    def check_grad(self, step: int, grad_norm: float) -> dict | None:
+        """A warning when the gradient norm is not finite or jumps above its running median."""
+        event = None
+        if not math.isfinite(grad_norm):
+            event = {"step": step, "kind": "warning", "signal": "grad_norm", "grad_norm": grad_norm}
+        elif len(self.grad_norms) >= 10:
+            median = statistics.median(self.grad_norms)
+            if grad_norm > self.cfg.grad_warn_factor * median:
+                event = {"step": step, "kind": "warning", "signal": "grad_norm", "grad_norm": grad_norm,
+                         "running_median": median}
+        if math.isfinite(grad_norm):
+            self.grad_norms.append(grad_norm)
+        return event
+
+    def logit_events(self, step: int, layer: int, max_scores: list[float]) -> list[dict]:
+        """Warnings for heads whose largest attention logit jumps above its running median (logit growth)."""
+        events = []
+        for head, score in enumerate(max_scores):
+            past = self.logit_history.setdefault((layer, head), deque(maxlen=20))
+            if len(past) >= 3:
+                median = statistics.median(past)
+                if score > self.cfg.logit_warn_factor * max(median, 1e-12) and score >= self.cfg.logit_warn_min:
+                    events.append({"step": step, "kind": "warning", "signal": "max_logit", "layer": layer,
+                                   "head": head, "max_logit": score, "running_median": median})
+            if math.isfinite(score):
+                past.append(score)
+        return events
+
+    def repeated_max_events(self, step: int, layer: int, stats: dict, wq_norms=None) -> list[dict]:
+        """Warnings for heads whose share of repeated-max rows jumps above its running median."""
+        events = []
+        for head, rows in enumerate(stats["rows"]):
+            fraction = stats["repeated_max_rows"][head] / max(1, rows)
+            past = self.history.setdefault((layer, head), deque(maxlen=20))
+            if len(past) >= 3:
+                median = statistics.median(past)
+                if fraction > self.cfg.warn_factor * max(median, 1e-12) and fraction >= self.cfg.warn_min_fraction:
+                    event = {"step": step, "kind": "warning", "signal": "repeated_max", "layer": layer, "head": head,
+                             "repeated_max_fraction": fraction, "running_median": median}
+                    if wq_norms is not None:
+                        event["wq_spectral_norm"] = wq_norms[head]
+                    events.append(event)
+            past.append(fraction)
+        return events
+
     def observe(self, step: int, model, loss: float) -> tuple[dict, list[dict]]:
         """After a monitored step: one record and the early-warning events it raised."""
         norms = self.spectral(model)
@@ -110,15 +157,6 @@ class Monitor:
         for layer, s in enumerate(stats):
             if s is None:
                 continue
-            for head in range(H):
-                rows = max(1, s["rows"][head])
-                fraction = s["repeated_max_rows"][head] / rows
-                past = self.history.setdefault((layer, head), deque(maxlen=20))
-                if len(past) >= 3:
-                    median = statistics.median(past)
-                    if fraction > self.cfg.warn_factor * max(median, 1e-12) and fraction >= self.cfg.warn_min_fraction:
-                        events.append({"step": step, "kind": "warning", "layer": layer, "head": head,
-                                       "repeated_max_fraction": fraction, "running_median": median,
-                                       "wq_spectral_norm": record["spectral"]["q"][layer][head]})
-                past.append(fraction)
+            events += self.logit_events(step, layer, s["max_score"])
+            events += self.repeated_max_events(step, layer, s, wq_norms=record["spectral"]["q"][layer])
         return record, events

@@ -71,3 +71,26 @@ def test_record_refuses_another_kind(tmp_path):
     with pytest.raises(ValueError, match="holds a DeltaErrors"):
         PVTrace.load(path)
     assert issubclass(PVTrace, Record)
+
+
+def test_warning_replay_measures_the_lead_time(tmp_path):
+    import json
+
+    from stableflash.diagnose.warnings import WarningReplay, replay_warnings
+
+    def write(run, losses, grads):
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": loss, "grad_norm": g}) + "\n"
+                                                  for i, (loss, g) in enumerate(zip(losses, grads))))
+
+    losses = [3.0 - 0.02 * i for i in range(30)] + [2.5 + 0.1 * i for i in range(20)]
+    grads = [1.0] * 25 + [40.0] + [60.0] * 24
+    write(tmp_path / "failing", losses, grads)
+    replay = replay_warnings(tmp_path / "failing")
+    assert replay.first_warning_step == 26
+    assert replay.blowup_step == 41  # loss 3.5 >= best (2.42) + 1.0
+    assert replay.lead_steps == 15
+    assert WarningReplay.load(replay.save(tmp_path / "w.json")) == replay
+    write(tmp_path / "healthy", [3.0 - 0.01 * i for i in range(50)], [1.0 + 0.01 * (i % 7) for i in range(50)])
+    healthy = replay_warnings(tmp_path / "healthy")
+    assert healthy.warnings == [] and healthy.blowup_step is None and healthy.lead_steps is None

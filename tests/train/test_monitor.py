@@ -47,3 +47,34 @@ def test_loss_checks():
     for step in range(20):
         assert monitor.check_loss(step, 2.0, warmup_steps=0) is None
     assert "spike" in monitor.check_loss(21, 7.0, warmup_steps=0)
+
+
+def test_gradient_norm_warning_on_a_jump_or_a_non_finite_norm(tmp_path):
+    monitor = Monitor(MonitorConfig(interval=1, grad_warn_factor=10.0), _model(), tmp_path)
+    assert all(monitor.check_grad(step, 1.0 + 0.01 * step) is None for step in range(12))
+    assert monitor.check_grad(12, 5.0) is None
+    event = monitor.check_grad(13, 50.0)
+    assert event["signal"] == "grad_norm" and event["running_median"] < 1.1
+    assert monitor.check_grad(14, float("inf"))["grad_norm"] == float("inf")
+
+
+def test_logit_growth_warning(tmp_path):
+    monitor = Monitor(MonitorConfig(interval=1, logit_warn_factor=3.0, logit_warn_min=50.0), _model(), tmp_path)
+    for step, score in enumerate([1.0, 2.0, 3.0, 5.0]):  # small logits: growth, but below the floor
+        assert monitor.logit_events(step, 0, [score, 1.0]) == []
+    events = monitor.logit_events(5, 0, [400.0, 1.0])
+    assert [(e["signal"], e["head"]) for e in events] == [("max_logit", 0)]
+
+
+def test_a_non_finite_gradient_skips_the_update(tiny, tmp_path):
+    from stableflash.train.demo import read_jsonl
+    from stableflash.train.loop import Trainer
+
+    trainer = Trainer(tiny("run.max_steps=3", "run.eval_interval=0"), tmp_path)
+    weight = trainer.model.transformer.wte.weight
+    before = weight.detach().clone()
+    weight.register_hook(lambda g: g * float("inf"))  # every step's gradient norm is inf
+    trainer.run()
+    assert torch.equal(weight.detach(), before) and all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert kinds.count("skipped_step") == 3

@@ -1,0 +1,66 @@
+"""Replay the monitor's early-warning rules over a finished run's logs: when would it have warned,
+when did the loss blow up, and how many steps of warning did that give (the lead time)?
+
+Uses the run's metrics.jsonl (loss, gradient norm every step) and monitor.jsonl (per-head
+statistics every `monitor.interval` steps), so rules and thresholds can be changed after the fact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from stableflash.diagnose.record import Record
+from stableflash.train.config import MonitorConfig
+from stableflash.train.demo import read_jsonl
+from stableflash.train.monitor import Monitor
+
+
+class _Shape:  # what Monitor's constructor reads of a model; the rules themselves take plain logs
+    def __init__(self, n_head):
+        self.config = type("C", (), {"n_head": n_head})
+
+
+@dataclass
+class WarningReplay(Record):
+    run: str
+    warnings: list
+    """[{"step", "signal", ...}] as the monitor would have logged them."""
+    blowup_step: int | None
+    """First step whose loss is non-finite or >= the best loss so far + `blowup_margin`."""
+    blowup_margin: float
+    first_warning_step: int | None
+    lead_steps: int | None
+    """blowup_step - first warning at or before it (None without both)."""
+
+
+def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, blowup_margin: float = 1.0) -> WarningReplay:
+    run_dir = Path(run_dir)
+    cfg = cfg or MonitorConfig()
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
+    monitor_log = read_jsonl(run_dir / "monitor.jsonl") if (run_dir / "monitor.jsonl").exists() else []
+    monitor = Monitor(cfg, _Shape(1), run_dir, enabled=False)
+    warnings = []
+    for m in metrics:
+        event = monitor.check_grad(m["step"], m["grad_norm"])
+        if event is not None:
+            warnings.append(event)
+    for record in monitor_log:
+        for layer, stats in enumerate(record["attention"]):
+            if stats is None:
+                continue
+            warnings += monitor.logit_events(record["step"], layer, stats["max_score"])
+            warnings += monitor.repeated_max_events(record["step"], layer, stats)
+    warnings.sort(key=lambda e: e["step"])
+    best, blowup = math.inf, None
+    for m in metrics:
+        if not math.isfinite(m["loss"]) or m["loss"] >= best + blowup_margin:
+            blowup = m["step"]
+            break
+        best = min(best, m["loss"])
+    before = [w["step"] for w in warnings if blowup is None or w["step"] <= blowup]
+    first = before[0] if before else None
+    return WarningReplay(run=str(run_dir), warnings=warnings, blowup_step=blowup, blowup_margin=blowup_margin,
+                         first_warning_step=first,
+                         lead_steps=(blowup - first) if blowup is not None and first is not None else None)
