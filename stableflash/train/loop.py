@@ -64,13 +64,16 @@ def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
 
 
 def _provenance(cfg: TrainConfig, device: torch.device) -> dict:
-    def sh(*cmd):
+    source = Path(__file__).resolve().parents[2]  # the checkout the package runs from, whatever the cwd
+
+    def sh(*cmd, cwd=None):
         try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=cwd).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
     info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-            "commit": sh("git", "rev-parse", "HEAD"), "diff": sh("git", "diff", "--stat"),
+            "commit": sh("git", "rev-parse", "HEAD", cwd=source) or os.environ.get("STABLEFLASH_COMMIT"),
+            "diff": sh("git", "diff", "--stat", cwd=source),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
