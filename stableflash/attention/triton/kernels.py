@@ -107,6 +107,12 @@ def _sfa_max(rm, rs, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
     return paper
 
 
+@triton.jit
+def _head_offset(bh, H, stride_b, stride_h):
+    """Element offset of (batch, head) = divmod(bh, H) in a (B, H, T, D) tensor with these strides."""
+    return (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+
+
 # ------------------------------------------------------------------------------------------------
 # forward
 # ------------------------------------------------------------------------------------------------
@@ -207,11 +213,10 @@ def _attn_fwd(
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
     h = bh % H
-    q_off = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_off = b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_off = b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    q_off = _head_offset(bh, H, stride_qb, stride_qh)
+    k_off = _head_offset(bh, H, stride_kb, stride_kh)
+    v_off = _head_offset(bh, H, stride_vb, stride_vh)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < T
@@ -327,15 +332,13 @@ def _attn_bwd_delta(
     """δ = rowsum(dO * O) per row, rounded as the policy says."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m[:, None] < T
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_ot
-                + offs_d[None, :], mask=rows, other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dt
-                 + offs_d[None, :], mask=rows, other=0.0).to(tl.float32)
+    o = tl.load(O + _head_offset(bh, H, stride_ob, stride_oh) + offs_m[:, None] * stride_ot + offs_d[None, :],
+                mask=rows, other=0.0).to(tl.float32)
+    do = tl.load(DO + _head_offset(bh, H, stride_db, stride_dh) + offs_m[:, None] * stride_dt + offs_d[None, :],
+                 mask=rows, other=0.0).to(tl.float32)
     delta = _round(tl.sum(_round(_round(do * o, R_MUL), R_TERMS), 1), R_DELTA)
     tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
 
@@ -427,12 +430,10 @@ def _attn_bwd_dkdv(
     """dK and dV for one key tile, looping over the query tiles that see it."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    q_off = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_off = b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_off = b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    do_off = b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    q_off = _head_offset(bh, H, stride_qb, stride_qh)
+    k_off = _head_offset(bh, H, stride_kb, stride_kh)
+    v_off = _head_offset(bh, H, stride_vb, stride_vh)
+    do_off = _head_offset(bh, H, stride_dob, stride_doh)
     row_off = bh.to(tl.int64) * T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -515,12 +516,10 @@ def _attn_bwd_dq(
     """dQ for one query tile, looping over the key tiles it sees."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    q_off = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_off = b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_off = b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    do_off = b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    q_off = _head_offset(bh, H, stride_qb, stride_qh)
+    k_off = _head_offset(bh, H, stride_kb, stride_kh)
+    v_off = _head_offset(bh, H, stride_vb, stride_vh)
+    do_off = _head_offset(bh, H, stride_dob, stride_doh)
     row_off = bh.to(tl.int64) * T
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
