@@ -121,6 +121,12 @@ class Precision:
         object.__setattr__(self, "cache_key", repr(self))
         _BY_CACHE_KEY.setdefault(self.cache_key, self)
 
+    def __setstate__(self, state):
+        """Unpickled (or deep-copied) policies register their key too: checkpoints store policies."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("cache_key", repr(self))
+        _BY_CACHE_KEY.setdefault(self.cache_key, self)
+
     def _validate(self):
         for site in (*SITES, "compute"):
             value = getattr(self, site)

@@ -24,6 +24,14 @@ def _register(stabilizer) -> None:
     _BY_CACHE_KEY.setdefault(stabilizer.cache_key, stabilizer)
 
 
+class _Registered:
+    """Unpickled (or deep-copied) stabilizers register their key too: checkpoints store them."""
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        _register(self)
+
+
 def cache_key(stabilize) -> str | None:
     return None if stabilize is None else stabilize.cache_key
 
@@ -33,7 +41,7 @@ def from_cache_key(key: str | None):
 
 
 @dataclass(frozen=True)
-class SFA:
+class SFA(_Registered):
     """Stabilized flash attention's modified safe softmax (the seed's Algorithm 3).
 
     Per tile: rm = rowmax(S), rs = rowsum(rm - S <= eps);
@@ -90,7 +98,7 @@ class SFA:
 
 
 @dataclass(frozen=True)
-class ClampPbar:
+class ClampPbar(_Registered):
     """Control for the seed's Limitation 4: keep m = rm (same temperature) but clamp
     P̄ to the largest value below 1 of its format, so no entry is exactly 1.
 
