@@ -1,8 +1,7 @@
-"""Render a `stableflash report` page to PNG, to look at it as a reader would.
+"""Render a `stableflash report` page to PNG with headless Chromium, to look at it as a reader would.
 
-Uses headless Chromium through playwright when it is installed with its browser
-(`pip install playwright && playwright install chromium`); otherwise WeasyPrint and
-pypdfium2 (`pip install weasyprint pypdfium2`), which lay the page out as print pages.
+Needs a Chromium binary (Debian: `apt-get install chromium`); without one it falls back to
+WeasyPrint + pypdfium2 (`pip install weasyprint pypdfium2`), which lay the page out as print pages.
 
     python scripts/screenshot_report.py report.html --out report.png
 """
@@ -10,25 +9,31 @@ pypdfium2 (`pip install weasyprint pypdfium2`), which lay the page out as print 
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
 from pathlib import Path
 
 
-def with_chromium(page: Path, out: Path) -> bool:
-    try:
-        from playwright.sync_api import Error, sync_playwright
-    except ImportError:
+def with_chromium(page: Path, out: Path, width: int = 1200, height: int = 8000) -> bool:
+    binary = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if binary is None:
         return False
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch()
-            tab = browser.new_page(viewport={"width": 1200, "height": 900})
-            tab.goto(page.resolve().as_uri())
-            tab.screenshot(path=str(out), full_page=True)
-            browser.close()
-        return True
-    except Error as error:  # e.g. the browser was never downloaded
-        print(f"chromium unavailable ({str(error).splitlines()[0]}); falling back to WeasyPrint")
-        return False
+    subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--window-size={width},{height}", f"--screenshot={out.resolve()}", page.resolve().as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    _crop_blank_bottom(out)
+    return True
+
+
+def _crop_blank_bottom(path: Path) -> None:
+    """The window is taller than most pages: cut the white below the content."""
+    import numpy as np
+    from PIL import Image
+
+    image = Image.open(path)
+    rows = np.where(np.asarray(image.convert("L")).min(axis=1) < 250)[0]
+    if rows.size:
+        image.crop((0, 0, image.width, int(rows.max()) + 10)).save(path)
 
 
 def with_weasyprint(page: Path, out: Path) -> None:
@@ -53,6 +58,7 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("report.png"))
     args = parser.parse_args()
     if not with_chromium(args.page, args.out):
+        print("no Chromium found; rendering with WeasyPrint")
         with_weasyprint(args.page, args.out)
     print(f"wrote {args.out}")
 
