@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
+# The tests run on 6 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles.
 #   scripts/gpu_suite.sh OUTDIR [tests|bench|train]...   (default: tests bench)
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
