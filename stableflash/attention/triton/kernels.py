@@ -17,17 +17,17 @@ Two numeric modes, both chosen at compile time so neither pays for the other:
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from stableflash.attention.triton.spec import INTERPRET
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 # The interpreter (TRITON_INTERPRET=1, used by the CPU tests) has no libdevice and
 # multiplies bf16 tiles wrongly in tl.dot (triton 3.6), so it takes fp32 paths instead.
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERPRET = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -105,6 +105,12 @@ def _sfa_max(rm, rs, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
         usable = repeated & finite & (actual >= LOW) & (actual <= HIGH)
         paper = tl.where(usable, m, rm)
     return paper
+
+
+@triton.jit
+def _load_rows(ptr, offs, stride_t, T, HEAD_DIM: tl.constexpr):
+    """A (len(offs), HEAD_DIM) tile of rows `offs` of one head; rows past T read as 0."""
+    return tl.load(ptr + offs[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :], mask=offs[:, None] < T, other=0.0)
 
 
 @triton.jit
@@ -220,7 +226,7 @@ def _attn_fwd(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < T
-    q = tl.load(Q + q_off + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
 
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
@@ -287,8 +293,7 @@ def _attn_fwd(
                     ones += tl.sum(tl.sum(((p_op == 1.0) & row_ok[:, None]).to(tl.int32), 1), 0)
                 tile_sum += tl.sum(p, 1)
                 offs_n = start_n + tl.arange(0, BLOCK_N)
-                v = tl.load(V + v_off + offs_n[:, None] * stride_vt + offs_d[None, :], mask=offs_n[:, None] < T,
-                            other=0.0)
+                v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
                 if OPS_FP32:
                     pv = _dot(p_op, v, pv, True)
                 else:
@@ -333,12 +338,8 @@ def _attn_bwd_delta(
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m[:, None] < T
-    o = tl.load(O + _head_offset(bh, H, stride_ob, stride_oh) + offs_m[:, None] * stride_ot + offs_d[None, :],
-                mask=rows, other=0.0).to(tl.float32)
-    do = tl.load(DO + _head_offset(bh, H, stride_db, stride_dh) + offs_m[:, None] * stride_dt + offs_d[None, :],
-                 mask=rows, other=0.0).to(tl.float32)
+    o = _load_rows(O + _head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM).to(tl.float32)
+    do = _load_rows(DO + _head_offset(bh, H, stride_db, stride_dh), offs_m, stride_dt, T, HEAD_DIM).to(tl.float32)
     delta = _round(tl.sum(_round(_round(do * o, R_MUL), R_TERMS), 1), R_DELTA)
     tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
 
@@ -396,10 +397,8 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
                R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr, R_DP: tl.constexpr,
                R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m[:, None] < T
-    q = tl.load(Q + q_off + offs_m[:, None] * stride_qt + offs_d[None, :], mask=rows, other=0.0)
-    do = tl.load(DO + do_off + offs_m[:, None] * stride_dot + offs_d[None, :], mask=rows, other=0.0)
+    q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
+    do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
     lse = _load_lse(LSE + row_off, offs_m, T, EMU)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
     pt = _bwd_probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
@@ -438,8 +437,8 @@ def _attn_bwd_dkdv(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     keys = offs_n[:, None] < T
-    k = tl.load(K + k_off + offs_n[:, None] * stride_kt + offs_d[None, :], mask=keys, other=0.0)
-    v = tl.load(V + v_off + offs_n[:, None] * stride_vt + offs_d[None, :], mask=keys, other=0.0)
+    k = _load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
+    v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
@@ -488,10 +487,8 @@ def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_k
              R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr,
              R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    keys = offs_n[:, None] < T
-    k = tl.load(K + k_off + offs_n[:, None] * stride_kt + offs_d[None, :], mask=keys, other=0.0)
-    v = tl.load(V + v_off + offs_n[:, None] * stride_vt + offs_d[None, :], mask=keys, other=0.0)
+    k = _load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
+    v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
     p = _bwd_probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
     dp = _round(_dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), OPS_FP32), R_DP)
     ds = _round(_round(p * _round(dp - delta[:, None], R_DS1), R_DS2), R_DS)
@@ -524,8 +521,8 @@ def _attn_bwd_dq(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m[:, None] < T
-    q = tl.load(Q + q_off + offs_m[:, None] * stride_qt + offs_d[None, :], mask=rows, other=0.0)
-    do = tl.load(DO + do_off + offs_m[:, None] * stride_dot + offs_d[None, :], mask=rows, other=0.0)
+    q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
+    do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
     lse = _load_lse(LSE + row_off, offs_m, T, EMU)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)

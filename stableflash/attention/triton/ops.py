@@ -8,15 +8,13 @@ implementations that only describe output shapes.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
 from stableflash.attention.triton import kernels
-from stableflash.attention.triton.spec import LOG2E, PHYSICAL_TILE, KernelSpec
+from stableflash.attention.triton.spec import INTERPRET, LOG2E, PHYSICAL_TILE, KernelSpec
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SPECS: dict[str, KernelSpec] = {}
 
 
@@ -49,7 +47,7 @@ def _prune(configs, named_args, **meta):
 
 
 def _tuned(kernel, configs, reset=(), extra_key=()):
-    if _INTERPRET:
+    if INTERPRET:
         return None
     # the statistics kernel adds counts with atomics: autotuning's repeated runs must start from zero
     return triton.autotune(configs, key=["T", "HEAD_DIM", "CAUSAL", "EMU", "OPS_FP32", *extra_key],
@@ -88,7 +86,7 @@ def _meta(key: str):
     """Compile-time arguments of each kernel for one spec, built once (launches are latency-bound at small sizes)."""
     spec = _SPECS[key]
     codes = dict(spec.codes)
-    fwd = dict(CAUSAL=None, EMU=spec.emu, OPS_FP32=spec.ops_fp32, SAVE_OS=spec.save_fp32_o, STAB=spec.stab,
+    fwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, SAVE_OS=spec.save_fp32_o, STAB=spec.stab,
                BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded, CLAMP_CEIL=spec.clamp_ceiling,
                TILE_CLAMP=spec.tile_clamp, **{n: codes[n] for n in _FWD_CODES})
     delta = dict(R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"])
@@ -121,7 +119,7 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     _launch(_fwd, kernels._attn_fwd, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
             q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
             *_strides(q), *_strides(k), *_strides(v), H, T, scale * units, eps_u, spec.logical_n,
-            **{**meta, "CAUSAL": causal}, HEAD_DIM=D, STATS=stats)
+            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats)
     return out, o_saved, lse, counts, smax
 
 

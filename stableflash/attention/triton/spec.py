@@ -21,7 +21,8 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 PHYSICAL_TILE = 64  # emulated logical tiles are built from tiles of this size
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Triton's CPU interpreter is on (the tests' CPU path): read once, here."""
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NATIVE_TILE = PRESETS["fa2"].block_m
 
@@ -70,7 +71,7 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
         if policy.dtype(site, dtype) not in _CODES:
             return f"site {site} in {getattr(policy, site)} (kernels round to fp32, bf16 or fp16)"
     for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
-        if policy.dtype(site, dtype) != dtype and not _INTERPRET:
+        if policy.dtype(site, dtype) != dtype and not INTERPRET:
             # the fp32-operand variant passes under the interpreter but failed to compile on an H200
             # (triton 3.6, sm_90, 2026-11-29): such policies (fp32, fp64) run on the reference
             return f"site {site} must be the input dtype (fp32 matmul operands are reference-only on the GPU)"
