@@ -18,6 +18,13 @@ COLORS = {"paper": "tab:red", "bf16": "tab:orange", "fa2": "tab:purple", "fp32":
           "paper-sfa": "tab:brown", "paper-pv32": "tab:pink", "ref-paper": "darkred", "ref-fp32": "navy"}
 
 
+def _save(fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_sweep(path: Path) -> Path:
     """Loss curves of every run, one panel per grid cell, colour by attention setting."""
     runs = [r for r in json.loads(path.read_text())["runs"] if "loss_curve" in r]
@@ -40,10 +47,7 @@ def plot_sweep(path: Path) -> Path:
         ax.set_ylim(0.8, 4.0)
         ax.legend(fontsize=8)
     out = path.with_suffix(".png")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_attention_bench(path: Path) -> Path:
@@ -62,10 +66,7 @@ def plot_attention_bench(path: Path) -> Path:
     ax.set_title(f"{path.name}: {json.loads(path.read_text())['meta'].get('gpu')}")
     ax.legend(fontsize=7, ncol=3)
     out = path.with_suffix(".png")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_probe_run(run: Path) -> Path:
@@ -90,10 +91,7 @@ def plot_probe_run(run: Path) -> Path:
         ax.set_xlabel("step")
     fig.suptitle(run.name)
     out = run.parent / f"{run.name}.png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def main():

@@ -30,29 +30,16 @@ def _delta(args) -> int:
 
 
 def _decompose(args) -> int:
-    from stableflash.attention.precision import resolve
-    from stableflash.attention.reference import forward_and_delta
-    from stableflash.diagnose.capture import capture_attention
-    from stableflash.diagnose.decompose import WqErrorDecomposition, WqErrorStudy, alignment_across_steps, decompose_wq_error
-    from stableflash.diagnose.delta import resumed_trainer
+    from stableflash.diagnose.decompose import WqErrorDecomposition, WqErrorStudy, alignment_across_steps, decompose_head
+    from stableflash.diagnose.delta import replayed_captures
 
-    cfg = _config(args)
     results, steps = [], []
-    with resumed_trainer(cfg, args.checkpoint, args.replay) as trainer:
-        for step in range(trainer.step, trainer.step + args.steps):
-            x, y = next(iter(trainer.micro_batches(step)))
-            c = capture_attention(trainer.model, x, y)[args.layer]
-            trainer.model.zero_grad(set_to_none=True)
-            h, D = args.head, c.q.shape[-1]
-            q, k, v, dout = (t[:, h:h + 1] for t in (c.q, c.k, c.v, c.dout))
-            deltas = [forward_and_delta(q, k, v, dout, policy=resolve(p))[1][:, 0] for p in (args.high, args.low)]
-            d = decompose_wq_error(c.x, c.w_q[h * D:(h + 1) * D], k[:, 0], v[:, 0], dout[:, 0], *deltas,
-                                   scale=D ** -0.5)
-            results.append(d.to_dict())
-            steps.append(step)
-            print(f"step {step}: residual {d.relative_residual:.2e}, top-direction share {d.top_singular_share:.3f}, "
-                  f"token cosine {d.token_cosine_mean:+.3f}, δ error mean {d.delta_error_mean:+.2e}")
-            trainer.train_step(step)
+    for step, capture in replayed_captures(_config(args), args.checkpoint, args.replay, args.steps, args.layer):
+        d = decompose_head(capture, args.head, args.low, args.high)
+        results.append(d.to_dict())
+        steps.append(step)
+        print(f"step {step}: residual {d.relative_residual:.2e}, top-direction share {d.top_singular_share:.3f}, "
+              f"token cosine {d.token_cosine_mean:+.3f}, δ error mean {d.delta_error_mean:+.2e}")
     study = WqErrorStudy(layer=args.layer, head=args.head, low=args.low, high=args.high, steps=steps,
                          decompositions=results,
                          alignment=alignment_across_steps([WqErrorDecomposition(**r) for r in results]))

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stableflash.attention.precision import resolve
+from stableflash.attention.reference import forward_and_delta
 from stableflash.diagnose.record import Record
 
 
@@ -113,6 +115,15 @@ def decompose_wq_error(x, w_q, k, v, dout, delta_hp, delta_lp, *, scale: float, 
         delta_error_mean=err.mean().item(), delta_error_frac_positive=(err > 0).double().mean().item(),
         token_cosine_mean=token_mean, token_cosine_frac_positive=token_pos, column_cosine_mean=column_cos,
         top_singular_share=share, top_left=u[:, 0].tolist(), top_right=vh[0].tolist())
+
+
+def decompose_head(capture, head: int, low: str = "paper", high: str = "fp64") -> WqErrorDecomposition:
+    """`decompose_wq_error` for one head of a layer's `LayerCapture`, with δ from the two policies."""
+    D = capture.q.shape[-1]
+    q, k, v, dout = (t[:, head:head + 1] for t in (capture.q, capture.k, capture.v, capture.dout))
+    delta_hp, delta_lp = (forward_and_delta(q, k, v, dout, policy=resolve(p))[1][:, 0] for p in (high, low))
+    return decompose_wq_error(capture.x, capture.w_q[head * D:(head + 1) * D], k[:, 0], v[:, 0], dout[:, 0],
+                              delta_hp, delta_lp, scale=D ** -0.5)
 
 
 def alignment_across_steps(decompositions: list[WqErrorDecomposition]) -> list[float]:

@@ -80,21 +80,26 @@ def resumed_trainer(cfg, checkpoint: str | Path, replay: str | Path | None = Non
         yield trainer
 
 
-def delta_trace(cfg, checkpoint: str | Path, replay: str | Path | None, steps: int, *, layer: int = 0,
-                low: str = "paper", high: str = "fp64") -> DeltaTrace:
-    """Resume training from `checkpoint` on `replay`'s batches for `steps` steps, measuring the layer's
-    δ error on each step's first micro-batch before the step is taken."""
+def replayed_captures(cfg, checkpoint: str | Path, replay: str | Path | None, steps: int, layer: int):
+    """Resume training from `checkpoint` on `replay`'s batches for `steps` steps; before each step, yield
+    (step, that layer's `LayerCapture` on the step's first micro-batch); the step is taken when iteration resumes."""
     if not 0 <= layer < cfg.model.n_layer:
         raise ValueError(f"layer: expected 0..{cfg.model.n_layer - 1}, got {layer}")
-    step_ids, sums = [], []
     with resumed_trainer(cfg, checkpoint, replay) as trainer:
         for step in range(trainer.step, trainer.step + steps):
             x, y = next(iter(trainer.micro_batches(step)))
             captured = capture_attention(trainer.model, x, y)[layer]
             trainer.model.zero_grad(set_to_none=True)
-            err = delta_error(captured.q, captured.k, captured.v, captured.dout, low, high)
-            sums.append(err.sum(dim=(0, 2)).tolist())
-            step_ids.append(step)
+            yield step, captured
             trainer.train_step(step)
+
+
+def delta_trace(cfg, checkpoint: str | Path, replay: str | Path | None, steps: int, *, layer: int = 0,
+                low: str = "paper", high: str = "fp64") -> DeltaTrace:
+    """The layer's δ error summed per head on each replayed step's first micro-batch, and its running sum."""
+    step_ids, sums = [], []
+    for step, c in replayed_captures(cfg, checkpoint, replay, steps, layer):
+        sums.append(delta_error(c.q, c.k, c.v, c.dout, low, high).sum(dim=(0, 2)).tolist())
+        step_ids.append(step)
     running = torch.tensor(sums, dtype=torch.float64).cumsum(0).tolist() if sums else []
     return DeltaTrace(low=low, high=high, layer=layer, steps=step_ids, sums=sums, cumulative=running)

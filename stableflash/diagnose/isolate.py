@@ -20,6 +20,7 @@ import torch
 
 from stableflash.diagnose.record import Record
 from stableflash.diagnose.spectral import spectral_history
+from stableflash.diagnose.warnings import blowup_step
 from stableflash.train.checkpoint import save_checkpoint
 from stableflash.train.config import load_config
 from stableflash.train.demo import read_jsonl
@@ -64,12 +65,8 @@ def select(spec: str) -> list[str]:
 def summarise(name: str, run_dir: Path) -> dict:
     """diverged?, step of divergence (first non-finite loss or loss >= best so far + 1.0), final loss, peaks."""
     losses = [(m["step"], m["loss"]) for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
-    best, diverged_at = math.inf, None
-    for step, loss in losses:
-        if not math.isfinite(loss) or loss >= best + 1.0:
-            diverged_at = step
-            break
-        best = min(best, loss)
+    diverged_at = blowup_step(losses, 1.0)
+    best = min((loss for step, loss in losses if diverged_at is None or step < diverged_at), default=math.inf)
     stops = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "stop"] \
         if (run_dir / "events.jsonl").exists() else []
     try:

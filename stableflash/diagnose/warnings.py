@@ -35,6 +35,16 @@ class WarningReplay(Record):
     """blowup_step - first warning at or before it (None without both)."""
 
 
+def blowup_step(losses: list[tuple[int, float]], margin: float = 1.0) -> int | None:
+    """The first step whose loss is non-finite or >= the best loss before it + `margin` (None: no blow-up)."""
+    best = math.inf
+    for step, loss in losses:
+        if not math.isfinite(loss) or loss >= best + margin:
+            return step
+        best = min(best, loss)
+    return None
+
+
 def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, blowup_margin: float = 1.0) -> WarningReplay:
     run_dir = Path(run_dir)
     cfg = cfg or MonitorConfig()
@@ -53,12 +63,7 @@ def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, bl
             warnings += monitor.logit_events(record["step"], layer, stats["max_score"])
             warnings += monitor.repeated_max_events(record["step"], layer, stats)
     warnings.sort(key=lambda e: e["step"])
-    best, blowup = math.inf, None
-    for m in metrics:
-        if not math.isfinite(m["loss"]) or m["loss"] >= best + blowup_margin:
-            blowup = m["step"]
-            break
-        best = min(best, m["loss"])
+    blowup = blowup_step([(m["step"], m["loss"]) for m in metrics], blowup_margin)
     before = [w["step"] for w in warnings if blowup is None or w["step"] <= blowup]
     first = before[0] if before else None
     return WarningReplay(run=str(run_dir), warnings=warnings, blowup_step=blowup, blowup_margin=blowup_margin,

@@ -7,6 +7,7 @@ sites, where the reference rounds to the operands' promoted dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class KernelSpec:
         return dict(self.codes)[name]
 
 
+@functools.lru_cache(maxsize=1024)  # asked on every `backend="auto"` call on CUDA
 def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str | None:
     """Why the fused kernels cannot run this combination, or None if they can."""
     if dtype not in INPUT_DTYPES:
