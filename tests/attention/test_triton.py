@@ -12,7 +12,7 @@ import torch
 
 from stableflash import SFA, AttentionStats, ClampPbar, flash_attention
 from stableflash.attention.precision import resolve
-from tests.attention.conftest import tied_inputs
+from tests.attention.conftest import rel_err, tied_inputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = [
@@ -103,8 +103,6 @@ def test_emulation_agrees_bit_for_bit_with_the_reference(shape, name, stabilize)
 def test_sfa_error_is_no_larger_than_the_plain_kernels(precision):
     # random rows still hold a few near-ties (bf16 scores especially), which SFA shifts: the max error can move
     # by an ulp either way (it once did by 1.24x), so compare the norm error, within 1% (measured: <= 0.5%)
-    from tests.attention.conftest import rel_err
-
     q, k, v = _inputs(SHAPES[-1])
     exact = _fp64(q, k, v, True)[0](None, None, None).detach()
     plain = _attention(q, k, v, precision=precision)
