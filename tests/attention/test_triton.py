@@ -181,6 +181,25 @@ def test_per_head_override_and_strided_inputs():
     assert torch.equal(ours[:, 1:2].float(), head1.float())
 
 
+def test_repeated_calls_reuse_the_compiled_kernel_and_follow_new_inputs():
+    """The launch cache (ops._Launches) must key on everything the compiled kernel depends on."""
+    from stableflash.attention.triton import ops
+
+    D = 16 if INTERPRET else 64
+    sizes = []
+    for T in (300, 301, 300, 300):
+        q, k, v = _inputs((2, 3, T, D))
+        dout = torch.randn_like(q)
+        got = _run(_attention, q, k, v, dout)
+        fn, leaves = _fp64(q, k, v, causal=True)
+        want = _run(fn, *leaves, dout.cpu().double())
+        for a, b in zip(got, want):
+            assert rel_err(a.cpu(), b) < 1e-2
+        sizes.append(len(ops._launches.cache))
+    if not INTERPRET:
+        assert sizes[2] == sizes[3] == sizes[1], "the same shape again must not add launch-cache entries"
+
+
 def test_unsupported_arguments_name_the_argument():
     from stableflash.attention import triton as backend
     q = torch.randn(1, 1, 8, 48, dtype=torch.bfloat16)

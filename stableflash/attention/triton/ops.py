@@ -36,6 +36,7 @@ _DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(32, 128, 4, 5), _cfg(64, 128, 8, 3), 
 _DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 32, 4, 5), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3),
                _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
 _EMU_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
+_DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)
 
 
 def _prune(configs, named_args, **meta):
@@ -59,13 +60,54 @@ _dkdv = _tuned(kernels._attn_bwd_dkdv, _DKDV_CONFIGS)
 _dq = _tuned(kernels._attn_bwd_dq, _DQ_CONFIGS)
 
 
-def _launch(tuned, plain, grid, *args, **meta):
-    """Autotuned launch on a GPU; a fixed 64x64 tile under the interpreter."""
-    if tuned is not None:
-        tuned[grid](*args, **meta)
-    else:
-        cfg = _EMU_CONFIG if meta["EMU"] else _cfg(64, 64, 4, 2)
-        plain[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs)
+class _Launches:
+    """Launches a kernel with as little host work as possible once its tile is known.
+
+    Triton's `Autotuner.run` and `JITFunction.run` bind and specialise all ~50 arguments (most of them
+    rounding codes) on every call: ~0.2 ms of Python per launch, more than the whole GPU time of a
+    forward+backward at T = 1024 (measured on an H200, results/attention-tiles-h200.json). The first call
+    for each (kernel, compile-time arguments, integer arguments, pointer alignments, dtypes) goes through
+    Triton (autotuning once); later calls reuse the compiled kernel and its tile and call its launcher
+    directly, the way Triton's own `CompiledKernel.__getitem__` does.
+    """
+
+    def __init__(self):
+        self.cache: dict[tuple, tuple] = {}
+
+    def __call__(self, tuned, plain, grid, args, meta, config=None):
+        if INTERPRET:
+            cfg = config or (_EMU_CONFIG if meta["EMU"] else _cfg(64, 64, 4, 2))
+            plain[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            return
+        key = (plain, config, tuple(meta.values()),
+               *(a if isinstance(a, int) else (a.dtype, a.data_ptr() % 16 == 0) for a in args if not isinstance(a, float)))
+        hit = self.cache.get(key)
+        if hit is None:
+            if config is None:
+                compiled = tuned[grid](*args, **meta)
+                config = tuned.best_config
+            else:
+                compiled = plain[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                                                      num_stages=config.num_stages)
+            values = {**meta, **config.all_kwargs()}
+            self.cache[key] = (compiled, config.kwargs, tuple(values[n] for n in plain.arg_names[len(args):]))
+            return
+        compiled, tile, constexprs = hit
+        g = grid(tile)
+        stream = torch.cuda.current_stream().cuda_stream
+        enter, exit_ = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+        metadata = compiled.launch_metadata(g, stream, *args, *constexprs) if enter is not None else None
+        compiled.run(g[0], g[1] if len(g) > 1 else 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
+                     enter, exit_, *args, *constexprs)
+
+
+_launches = _Launches()
+
+
+def _launch(tuned, plain, grid, *args, config=None, **meta):
+    """Autotuned launch on a GPU (cached, see `_Launches`), or with the tile `config`; under the interpreter a
+    64x64 tile unless `config` says otherwise."""
+    _launches(tuned, plain, grid, args, meta, config)
 
 
 def _strides(t):
@@ -96,7 +138,7 @@ def _meta(key: str):
     return spec, fwd, delta, bwd, dkdv, dq
 
 
-def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float):
+def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float, tile=None):
     """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,2) int32, max (H,) fp32).
 
     lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
@@ -119,18 +161,18 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     _launch(_fwd, kernels._attn_fwd, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
             q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
             *_strides(q), *_strides(k), *_strides(v), H, T, scale * units, eps_u, spec.logical_n,
-            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats)
+            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
     return out, o_saved, lse, counts, smax
 
 
-def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str):
+def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None)):
+    """dQ, dK, dV; `tiles` = (dK/dV config, dQ config) forces the tiles instead of autotuning (benchmarks)."""
     spec, _, delta_meta, meta, dkdv_meta, dq_meta = _meta(key)
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    block = 64
-    kernels._attn_bwd_delta[(triton.cdiv(T, block), B * H)](
-        o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T, HEAD_DIM=D, BLOCK_M=block, **delta_meta)
+    _launch(None, kernels._attn_bwd_delta, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+            o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T, HEAD_DIM=D, **delta_meta, config=_DELTA_CONFIG)
     dq = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
@@ -138,10 +180,10 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str):
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     _launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
             q, k, v, dout, lse, delta, dk, dv, *strides, H, T, scale * units, scale, spec.logical_m,
-            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta)
+            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
     _launch(_dq, kernels._attn_bwd_dq, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
             q, k, v, dout, lse, delta, dq, *strides, H, T, scale * units, scale, spec.logical_n,
-            HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta)
+            HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
     return dq, dk, dv
 
 
