@@ -22,7 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stableflash import SFA
 from stableflash.attention.precision import PRESETS
-from stableflash.attention.triton import _cached_key, ops
+from stableflash.attention.stabilize import cache_key
+from stableflash.attention.triton import _kernel_key, ops
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 cfg = ops._cfg
@@ -68,7 +69,7 @@ def call_paths(shape) -> dict:
     B, H, T, D = shape
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    key = _cached_key(PRESETS["fa2"], None, torch.bfloat16, D, T)
+    key = _kernel_key(PRESETS["fa2"].cache_key, None, torch.bfloat16, D, T)
     scale = D ** -0.5
 
     def direct():
@@ -109,7 +110,7 @@ def study(shape):
     B, H, T, D = shape
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = D ** -0.5
-    keys = {name_: _cached_key(PRESETS["fa2"], stab, torch.bfloat16, D, T)
+    keys = {name_: _kernel_key(PRESETS["fa2"].cache_key, cache_key(stab), torch.bfloat16, D, T)
             for name_, stab in (("plain", None), ("sfa", SFA()))}
     flops = 4 * B * H * T * T * D / 2
     tf = lambda ms, mult=1.0: mult * flops / (ms * 1e-3) / 1e12  # noqa: E731

@@ -154,19 +154,24 @@ def test_rows_with_no_visible_key_give_zero_and_zero_gradients():
     assert _max_err(torch.where(both_nan, 0, ours), torch.where(both_nan, 0, ref)) < 5e-2
 
 
-def test_stats_match_the_reference_under_emulation_and_count_ties():
-    q, k, v = (t.to(DEVICE) for t in tied_inputs(3, T=128, D=64, heads=2))
+@pytest.mark.parametrize("T,causal", [(128, False), (100, True)])  # whole tiles; a ragged last tile
+def test_stats_match_the_reference_and_count_ties(T, causal):
+    q, k, v = (t.to(DEVICE) for t in tied_inputs(3, T=T, D=64, heads=2))
     for precision in ("paper", "fa2"):
         ours, ref = AttentionStats(2), AttentionStats(2)
-        _attention(q, k, v, causal=False, precision=precision, stats=ours)
-        flash_attention(q, k, v, causal=False, precision=precision, backend="reference", stats=ref)
+        _attention(q, k, v, causal=causal, precision=precision, stats=ours)
+        flash_attention(q, k, v, causal=causal, precision=precision, backend="reference", stats=ref)
         assert ours.rows.tolist() == ref.rows.tolist()
-        assert ours.repeated_max_rows.tolist() == ref.repeated_max_rows.tolist() == [128, 128]
+        assert ours.repeated_max_rows.tolist() == ref.repeated_max_rows.tolist()
+        if not causal:
+            assert ours.repeated_max_rows.tolist() == [T, T]
         assert ours.pbar_ones.tolist() == ref.pbar_ones.tolist()
         assert torch.allclose(ours.max_score.cpu(), ref.max_score.cpu(), rtol=1e-2)
-    sfa = AttentionStats(2)
-    _attention(q, k, v, causal=False, precision="paper", stabilize=SFA(), stats=sfa)
-    assert sfa.pbar_ones.sum().item() == 0
+    sfa, sfa_ref = AttentionStats(2), AttentionStats(2)
+    _attention(q, k, v, causal=causal, precision="paper", stabilize=SFA(), stats=sfa)
+    flash_attention(q, k, v, causal=causal, precision="paper", stabilize=SFA(), backend="reference", stats=sfa_ref)
+    # SFA leaves P̄ = 1 only where the maximum is not repeated (causal: the first row's single key)
+    assert sfa.pbar_ones.tolist() == sfa_ref.pbar_ones.tolist() == ([1, 1] if causal else [0, 0])
 
 
 def test_per_head_override_and_strided_inputs():

@@ -39,7 +39,7 @@ def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfl
 def check(q: torch.Tensor, policy: Precision, stabilize) -> None:
     """Raise a ValueError naming the argument the kernels cannot take."""
     for pol in (policy.replace(head_override=None), *([policy.head_override[1]] if policy.head_override else [])):
-        _cached_key(pol, stabilize, q.dtype, q.shape[-1], q.shape[-2])
+        _kernel_key(pol.cache_key, stab_module.cache_key(stabilize), q.dtype, q.shape[-1], q.shape[-2])
 
 
 def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabilize=None,
@@ -55,14 +55,15 @@ def _kernel_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, 
 
     Takes the policy and stabilizer by their string keys: under torch.compile this runs once at
     trace time and its result is a constant of the graph."""
-    return _cached_key(precision_module.from_cache_key(policy_key), stab_module.from_cache_key(stabilize_key), dtype, head_dim,
-                       seq_len)
+    return _cached_key(policy_key, stabilize_key, dtype, head_dim, seq_len)
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_key(policy, stabilize, dtype, head_dim, seq_len):
+def _cached_key(policy_key, stabilize_key, dtype, head_dim, seq_len):
     from stableflash.attention.triton import ops
 
+    policy = precision_module.from_cache_key(policy_key)
+    stabilize = stab_module.from_cache_key(stabilize_key)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"q: the triton backend supports head dims {HEAD_DIMS}, got {head_dim}")
     reason = unsupported_reason(policy, stabilize, dtype)

@@ -168,8 +168,8 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
     if STATS or STAB == 1:
         # near-maxima: s >= rm - eps (a row with no finite score has none)
         near = (s >= tl.where(rm > float("-inf"), rm - eps_u, float("inf"))[:, None]).to(tl.int32)
-        if STATS:
-            smax = tl.maximum(smax, tl.max(tl.where(row_ok & (rm < float("inf")), rm, float("-inf"))))
+        if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
+            smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
         if STAB == 1:
             rs = tl.sum(near, 1)
             rm = _sfa_max(rm, rs, BETA, LOW, HIGH, BOUNDED, False)
@@ -188,8 +188,8 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
             packed = tl.sum(near + (is_one << 16), 1)
             rs = packed & 65535
             ones_row = packed >> 16
-        repeated = tl.maximum(repeated, ((rs > 1) & row_ok).to(tl.int32))
-        ones += tl.sum(tl.where(row_ok, ones_row, 0), 0)
+        repeated = tl.maximum(repeated, (rs > 1).to(tl.int32))
+        ones += ones_row
     alpha = tl.math.exp2(m - m_shift)
     l = l * alpha + tl.sum(p, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -231,9 +231,10 @@ def _attn_fwd(
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    # statistics, per row until the end
     repeated = tl.zeros((BLOCK_M,), tl.int32)
-    ones = tl.full([], 0, tl.int32)
-    smax = tl.full((), float("-inf"), tl.float32)
+    ones = tl.zeros((BLOCK_M,), tl.int32)
+    smax = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
 
     if not EMU:
@@ -252,7 +253,6 @@ def _attn_fwd(
         empty = m == float("-inf")
         o = acc / tl.where(empty, 1.0, l)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.math.log2(l))  # base 2: the backward's units
-        smax = smax / _LOG2E
     else:
         for lt in range(0, hi, LT):
             lt_end = tl.minimum(lt + LT, hi)
@@ -271,10 +271,9 @@ def _attn_fwd(
                                 True, True, OPS_FP32, R_QK, R_SCORES)
                     rs += _near_max(s, rm, eps_u)
                     if STATS:
-                        smax = tl.maximum(smax, tl.max(tl.where(row_ok[:, None] & (s < float("inf")), s,
-                                                                float("-inf"))))
+                        smax = tl.maximum(smax, tl.max(tl.where(s < float("inf"), s, float("-inf")), 1))
                 if STATS:
-                    repeated = tl.maximum(repeated, ((rs > 1) & row_ok).to(tl.int32))
+                    repeated = tl.maximum(repeated, (rs > 1).to(tl.int32))
                 if STAB == 1:
                     rm = _round(_sfa_max(rm, rs, BETA, LOW, HIGH, BOUNDED, R_ROW_MAX == 1), R_ROW_MAX)
             m_new = _round(tl.maximum(rm, m), R_ROW_MAX)
@@ -290,7 +289,7 @@ def _attn_fwd(
                     p = tl.minimum(p, CLAMP_CEIL)
                 p_op = _round(p, R_PBAR_OP)
                 if STATS:
-                    ones += tl.sum(tl.sum(((p_op == 1.0) & row_ok[:, None]).to(tl.int32), 1), 0)
+                    ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
                 tile_sum += tl.sum(p, 1)
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
@@ -318,10 +317,13 @@ def _attn_fwd(
     if SAVE_OS:
         tl.store(OS + o_ptrs, o.to(OS.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
-    if STATS:
-        tl.atomic_add(STAT_COUNTS + h * 2, tl.sum(repeated.to(tl.int32), 0))
-        tl.atomic_add(STAT_COUNTS + h * 2 + 1, ones)
-        tl.atomic_max(STAT_MAX + h, smax)
+    if STATS:  # rows past T hold padding: left out here
+        tl.atomic_add(STAT_COUNTS + h * 2, tl.sum(tl.where(row_ok, repeated, 0), 0))
+        tl.atomic_add(STAT_COUNTS + h * 2 + 1, tl.sum(tl.where(row_ok, ones, 0), 0))
+        row_max = tl.max(tl.where(row_ok, smax, float("-inf")), 0)
+        if not EMU:
+            row_max = row_max / _LOG2E
+        tl.atomic_max(STAT_MAX + h, row_max)
 
 
 # ------------------------------------------------------------------------------------------------
