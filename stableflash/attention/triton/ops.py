@@ -64,9 +64,9 @@ class _Launches:
     """Launches a kernel with as little host work as possible once its tile is known.
 
     Triton's `Autotuner.run` and `JITFunction.run` bind and specialise all ~50 arguments (most of them
-    rounding codes) on every call: ~0.2 ms of Python per launch, more than the whole GPU time of a
-    forward+backward at T = 1024 (measured on an H200, results/attention-tiles-h200.json). The first call
-    for each (kernel, compile-time arguments, integer arguments, pointer alignments, dtypes) goes through
+    rounding codes) on every call: ~0.2 ms of Python per launch, so a forward+backward at T = 1024 spent
+    more time on the host than on the GPU (measured on an H200: docs/kernel-notes.md). The first call for
+    each (kernel, device, compile-time arguments, integer arguments, pointer alignments, dtypes) goes through
     Triton (autotuning once); later calls reuse the compiled kernel and its tile and call its launcher
     directly, the way Triton's own `CompiledKernel.__getitem__` does.
     """
@@ -79,7 +79,7 @@ class _Launches:
             cfg = config or (_EMU_CONFIG if meta["EMU"] else _cfg(64, 64, 4, 2))
             plain[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return
-        key = (plain, config, tuple(meta.values()),
+        key = (plain, config, torch.cuda.current_device(), tuple(meta.values()),
                *(a if isinstance(a, int) else (a.dtype, a.data_ptr() % 16 == 0) for a in args if not isinstance(a, float)))
         hit = self.cache.get(key)
         if hit is None:
