@@ -124,7 +124,8 @@ def flash_attention(
     if backend in ("math", "sdpa"):
         if stabilize is not None:
             raise ValueError(f"stabilize: backend {backend!r} computes plain softmax; use backend='reference' or 'triton'")
-        if precision != "fa2" and policy is not resolve("fa2"):
+        # by value: a policy unpickled from a checkpoint is equal to the preset, not the same object
+        if policy.cache_key != resolve("fa2").cache_key:
             raise ValueError(f"precision: backend {backend!r} has fixed numerics; use backend='reference' or 'triton'")
         if backend == "math":
             return _math_attention(q, k, v, scale, causal, stats)

@@ -34,6 +34,19 @@ def test_bad_input_names_the_argument(call, error, match):
         call(q, k, v)
 
 
+def test_fixed_numerics_backends_take_an_unpickled_fa2_policy():
+    """A policy restored from a checkpoint equals the preset without being the same object."""
+    import pickle
+
+    from stableflash.attention.precision import resolve
+
+    restored = pickle.loads(pickle.dumps(resolve("fa2")))
+    q, k, v = _qkv(1, 2, 8, 16)
+    for backend in ("sdpa", "math"):
+        assert torch.allclose(flash_attention(q, k, v, backend=backend, precision=restored),
+                              flash_attention(q, k, v, backend=backend), atol=1e-6)
+
+
 def test_triton_backend_refuses_without_gpu():
     q, k, v = _qkv(1, 2, 8, 16)
     if torch.cuda.is_available():

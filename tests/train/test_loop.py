@@ -134,3 +134,53 @@ def test_torchrun_two_processes_match_one(tmp_path, data_dir):
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(a) == len(b) == 5
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def _torchrun(*args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "stableflash",
+            "train", *args]
+
+
+_DDP_CPU = ["--set", "run.progress=false", "--set", "attention.backend=sdpa", "--set", "attention.precision=fa2",
+            "--set", "run.dtype=fp32", "--set", "monitor.interval=0", "--set", "data.batch_size=4"]
+
+
+def test_torchrun_resume_on_two_processes_is_bit_exact(tmp_path, data_dir):
+    common = ["--config", "configs/tiny-cpu.toml", "--set", f"data.data_dir={data_dir}", "--set",
+              "run.checkpoint_interval=0", *_DDP_CPU]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for out, steps in (("straight", 6), ("split", 3)):
+        done = subprocess.run(_torchrun("--out", str(tmp_path / out), *common, "--set", f"run.max_steps={steps}"),
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    done = subprocess.run(_torchrun("--resume", str(tmp_path / "split"), "--set", "run.max_steps=6"),
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert len(a) == len(b) == 6 and a == b
+
+
+def test_torchrun_killed_rank_ends_the_job_and_keeps_the_last_checkpoint(tmp_path, data_dir):
+    run = tmp_path / "run"
+    cmd = _torchrun("--config", "configs/tiny-cpu.toml", "--out", str(run), "--set", f"data.data_dir={data_dir}",
+                    "--set", "run.max_steps=100000", "--set", "run.checkpoint_interval=2", *_DDP_CPU)
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(losses(run)) >= 6):
+            time.sleep(0.2)
+        workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+        pids = [int(p) for p in workers.stdout.split()]
+        assert len(pids) == 2, workers.stdout
+        os.kill(pids[-1], signal.SIGKILL)  # one rank dies without warning
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, "the job must fail when a rank dies"
+    state = load_checkpoint(run)
+    assert state["step"] >= 2 and state["step"] % 2 == 0
+    # the surviving checkpoint resumes (on one process: the checkpoint does not depend on the world size)
+    assert main(["train", "--resume", str(run), "--set", f"run.max_steps={state['step'] + 2}",
+                 "--set", "data.grad_accum=2"]) == 0
