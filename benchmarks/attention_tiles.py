@@ -142,22 +142,20 @@ def study(shape):
     row["fwd_tflops"] = fwd
 
     bwd_flops_mult = 2.5
-    dkdv = {}
-    for c in DKDV:
-        try:
-            dkdv[name(c)] = tf(bench(lambda c=c: ops.backward(dout, q, k, v, out, lse, True, scale, keys["plain"],
-                                                          tiles=(c, best_dq))), bwd_flops_mult)
-        except Exception as error:  # noqa: BLE001
-            dkdv[name(c)] = str(error).splitlines()[0][:120]
-    dq = {}
-    for c in DQ:
-        try:
-            dq[name(c)] = tf(bench(lambda c=c: ops.backward(dout, q, k, v, out, lse, True, scale, keys["plain"],
-                                                        tiles=(best_dkdv, c))), bwd_flops_mult)
-        except Exception as error:  # noqa: BLE001
-            dq[name(c)] = str(error).splitlines()[0][:120]
-    row["bwd_tflops_by_dkdv_tile"] = dkdv
-    row["bwd_tflops_by_dq_tile"] = dq
+
+    def backward_by_tile(configs, tiles):
+        """Backward TFLOP/s with each of `configs` in the place `tiles(c)` puts it (the other kernel at its pick)."""
+        timed = {}
+        for c in configs:
+            try:
+                timed[name(c)] = tf(bench(lambda c=c: ops.backward(dout, q, k, v, out, lse, True, scale, keys["plain"],
+                                                                   tiles=tiles(c))), bwd_flops_mult)
+            except Exception as error:  # noqa: BLE001 - a tile that does not compile is a result
+                timed[name(c)] = str(error).splitlines()[0][:120]
+        return timed
+
+    row["bwd_tflops_by_dkdv_tile"] = backward_by_tile(DKDV, lambda c: (c, best_dq))
+    row["bwd_tflops_by_dq_tile"] = backward_by_tile(DQ, lambda c: (best_dkdv, c))
     row["bwd_tflops_autotuned"] = tf(bench(lambda: ops.backward(dout, q, k, v, out, lse, True, scale, keys["plain"])),
                                      bwd_flops_mult)
     row["bwd_split_ms"] = kernel_split(lambda: ops.backward(dout, q, k, v, out, lse, True, scale, keys["plain"]))
