@@ -1,9 +1,13 @@
 """Training throughput of one model shape under several attention settings, in one process.
 
 Prints a table and writes JSON: median tokens/s over the steps after warm-up, and
-the ratio to the first setting (the baseline, SDPA by default).
+the ratio to the first setting (the baseline, SDPA by default). With `--profile`, each
+setting instead runs `--warmup` steps and then profiles `--steps` steps with torch.profiler:
+wall time per step, device time of the kernels per step (and the share of the wall time
+the GPU was busy), the attention kernels' share, and the top kernels.
 
     python benchmarks/train_throughput.py --out results/train-smoke-h200 --steps 200
+    python benchmarks/train_throughput.py --out OUT --compile --profile --steps 10 --settings sdpa,triton-fa2
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from stableflash.train.config import load_config
 from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl
-from stableflash.train.loop import train
+from stableflash.train.loop import Trainer, train
 
 SETTINGS = {
     "sdpa": ["attention.backend=sdpa", "attention.precision=fa2"],
@@ -41,6 +45,7 @@ def main():
     parser.add_argument("--steps", type=int, default=200, help="steps per setting (reference settings: a quarter)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (run.compile=true)")
+    parser.add_argument("--profile", action="store_true", help="profile --steps steps after --warmup (no training run)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     data_dir = args.out / "data"
@@ -50,6 +55,8 @@ def main():
              "monitor.interval=0", "run.deterministic=false", "run.device=cuda", "run.progress=false",
              f"data.data_dir={data_dir}", "optim.warmup_steps=100", "optim.decay_steps=5000",
              f"run.compile={str(args.compile).lower()}"]
+    if args.profile:
+        return profile_settings(args, shape)
     rows = []
     for name in args.settings.split(","):
         steps = args.steps if not name.startswith("reference") else max(args.warmup + 10, args.steps // 4)
@@ -64,12 +71,7 @@ def main():
         torch.cuda.empty_cache()
     for row in rows:
         row["ratio_to_" + rows[0]["setting"]] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
-    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = os.environ.get("STABLEFLASH_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "commit": commit, "shape": "GPT-2 S (12L/12H/768), T=1024, 16 sequences/step, bf16 autocast, "
-            + ("torch.compile" if args.compile else "eager"),
-            "data": "embedded Shakespeare, byte-level (vocab 256)"}
+    meta = _meta(args)
     name = "train-throughput-compiled.json" if args.compile else "train-throughput.json"
     (args.out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"{'setting':<22}{'steps':>6}{'tokens/s':>12}{'ratio':>8}{'loss first->last':>20}")
@@ -77,6 +79,65 @@ def main():
         ratio = row["ratio_to_" + rows[0]["setting"]]
         print(f"{row['setting']:<22}{row['steps']:>6}{row['tokens_per_s']:>12.0f}{ratio:>8.3f}"
               f"{row['first_loss']:>10.3f} -> {row['last_loss']:.3f}")
+
+
+def _meta(args) -> dict:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = os.environ.get("STABLEFLASH_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None)
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "commit": commit,
+            "shape": "GPT-2 S (12L/12H/768), T=1024, 16 sequences/step, bf16 autocast, "
+            + ("torch.compile" if args.compile else "eager"), "overrides": args.overrides,
+            "data": "embedded Shakespeare, byte-level (vocab 256)"}
+
+
+def profile_steps(trainer: Trainer, warmup: int, steps: int) -> dict:
+    """Wall and kernel time per step of `trainer.train_step`, after `warmup` steps (compiles, autotunes)."""
+    cuda = trainer.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for step in range(warmup):
+        trainer.train_step(step)
+    sync()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for step in range(warmup, warmup + steps):
+            trainer.train_step(step)
+        sync()
+        wall_ms = (time.perf_counter() - started) * 1e3 / steps
+    kernels = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+            kernels[event.key] = event.self_device_time_total / 1e3 / steps
+    device_ms = sum(kernels.values())
+    attention = sum(ms for key, ms in kernels.items() if "_attn_" in key or "flash" in key.lower() or "fmha" in key)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {"wall_ms_per_step": wall_ms, "kernel_ms_per_step": device_ms,
+            "gpu_busy_share": device_ms / wall_ms if cuda else None, "attention_kernel_ms_per_step": attention,
+            "kernels_per_step": sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+            / steps, "top_kernels_ms_per_step": [{"kernel": k[:120], "ms": ms} for k, ms in top]}
+
+
+def profile_settings(args, shape):
+    rows = []
+    for name in args.settings.split(","):
+        cfg = load_config("quick-gpu", [*shape, *SETTINGS[name], *args.overrides])
+        trainer = Trainer(cfg, args.out / "runs" / name)
+        rows.append({"setting": name, **profile_steps(trainer, args.warmup, args.steps)})
+        del trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "train-profile-compiled.json" if args.compile else "train-profile.json"
+    (args.out / name).write_text(json.dumps({"meta": _meta(args), "rows": rows}, indent=2))
+    print(f"{'setting':<22}{'wall ms':>9}{'kernel ms':>11}{'busy':>7}{'attn ms':>9}{'kernels':>9}")
+    for row in rows:
+        busy = "-" if row["gpu_busy_share"] is None else f"{row['gpu_busy_share']:.2f}"
+        print(f"{row['setting']:<22}{row['wall_ms_per_step']:>9.2f}{row['kernel_ms_per_step']:>11.2f}{busy:>7}"
+              f"{row['attention_kernel_ms_per_step']:>9.2f}{row['kernels_per_step']:>9.0f}")
+    for row in rows:
+        top = row["top_kernels_ms_per_step"][:8]
+        print(f"\n{row['setting']}: " + "; ".join(f"{k['kernel'][:50]} {k['ms']:.2f}" for k in top))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 6 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles.
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train]...   (default: tests bench)
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile]...   (default: tests bench)
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -18,6 +18,9 @@ for part in $parts; do
     train) python3 benchmarks/train_throughput.py --compile --steps 60 --warmup 10 --out "$out/train" \
              --settings sdpa,triton-fa2-sfa,triton-fa2,triton-paper 2>&1 | tail -8 | tee "$out/train-throughput.log"
            cp "$out/train/train-throughput-compiled.json" "$out/" 2>/dev/null; rm -rf "$out/train" ;;
+    profile) python3 benchmarks/train_throughput.py --compile --profile --steps 10 --warmup 8 --out "$out/prof" \
+               --settings sdpa,triton-fa2,triton-fa2-sfa 2>&1 | tail -12 | tee "$out/train-profile.log"
+             cp "$out/prof/train-profile-compiled.json" "$out/" 2>/dev/null; rm -rf "$out/prof" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
