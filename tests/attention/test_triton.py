@@ -74,14 +74,30 @@ def test_fa2_within_twice_the_reference_error(shape, causal, dtype):
         assert _max_err(a, e) <= 2 * _max_err(r, e) + 1e-5, (name, _max_err(a, e), _max_err(r, e))
 
 
-EMULATED = ["paper", "bf16", "paper+pv32", "paper+o32", "paper+notiling"]
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa2_with_the_dp_p_delta_within_twice_the_reference_error(causal):
+    # δ = rowsum(dP ∘ P) recomputed over the keys (the isolation study's δ formula) in native numerics
+    shape = SHAPES[-1]
+    policy = resolve("fa2").with_delta("dp_p")
+    q, k, v = _inputs(shape)
+    dout = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
+    ours = _run(lambda *t: _attention(*t, causal=causal, precision=policy), q, k, v, dout)
+    ref = _run(lambda *t: flash_attention(*t, causal=causal, precision=policy, backend="reference"), q, k, v, dout)
+    f, leaves = _fp64(q, k, v, causal)
+    exact_out = f(*leaves)
+    exact = [exact_out.detach(), *torch.autograd.grad(exact_out, leaves, dout.cpu().double())]
+    for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+        assert _max_err(a, e) <= 2 * _max_err(r, e) + 1e-5, (name, _max_err(a, e), _max_err(r, e))
+
+
+EMULATED = ["paper", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp"]
 
 
 def _policy(name):
     base, _, knob = name.partition("+")
     policy = resolve(base)
     return {"": policy, "pv32": policy.with_pv_fp32(), "o32": policy.with_o_fp32(),
-            "notiling": policy.tiling_off()}[knob]
+            "notiling": policy.tiling_off(), "dpp": policy.with_delta("dp_p")}[knob]
 
 
 @pytest.mark.parametrize("shape", SHAPES[-2:])
@@ -211,7 +227,7 @@ def test_unsupported_arguments_name_the_argument():
     with pytest.raises(ValueError, match=r"q: the triton backend supports head dims \(16, 32, 64, 128\)"):
         backend.check(q, resolve("fa2"), None)
     with pytest.raises(ValueError, match="delta_formula"):
-        backend.check(q[..., :32], resolve("paper").with_delta("dp_p"), None)
+        backend.check(q[..., :32], resolve("paper").with_delta("do_o_recomputed"), None)
 
 
 def test_custom_op_traces_without_graph_breaks():

@@ -393,6 +393,43 @@ def _load_lse(LSE, offs, T, EMU: tl.constexpr):
 
 
 @triton.jit
+def _attn_bwd_delta_dpp(
+    Q, K, V, DO, LSE, DELTA,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot, H, T, qk_scale, LT,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr,
+    R_P: tl.constexpr, R_DP: tl.constexpr, R_DPP: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
+):
+    """δ = rowsum(dP ∘ P) (the `dp_p` formula) for one query tile: P and dP recomputed over every visible
+    key, summed per logical key tile and added up with the policy's rounding, as the reference does."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    q_off = _head_offset(bh, H, stride_qb, stride_qh)
+    k_off = _head_offset(bh, H, stride_kb, stride_kh)
+    v_off = _head_offset(bh, H, stride_vb, stride_vh)
+    row_off = bh.to(tl.int64) * T
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
+    do = _load_rows(DO + _head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
+    lse = _load_lse(LSE + row_off, offs_m, T, EMU)
+    delta = tl.zeros((BLOCK_M,), tl.float32)
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+    for lt in range(0, hi, LT):
+        part = tl.zeros((BLOCK_M,), tl.float32)
+        for start_n in range(lt, tl.minimum(lt + LT, hi), BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = _load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
+            v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
+            p = _bwd_probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, True, EMU, OPS_FP32, R_QK, R_SCORES,
+                           R_P_SUB, R_P)
+            dp = _round(_dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), OPS_FP32), R_DP)
+            part += tl.sum(_round(_round(dp * p, R_DPP), R_TERMS), 1)
+        delta = _round(delta + _round(part, R_DELTA), R_DELTA)
+    tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
+
+
+@triton.jit
 def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt, stride_dot, qk_scale,
                dk, dv, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,

@@ -37,6 +37,8 @@ _DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 32, 4, 5), _cfg(128, 64, 8, 3), _c
                _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
 _EMU_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
 _DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)
+# the `dp_p` δ pass: one tile, a multiple of the emulated logical tiles' physical tile
+_DELTA_DPP_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
 
 
 def _prune(configs, named_args, **meta):
@@ -131,8 +133,12 @@ def _meta(key: str):
     fwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, SAVE_OS=spec.save_fp32_o, STAB=spec.stab,
                BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded, CLAMP_CEIL=spec.clamp_ceiling,
                TILE_CLAMP=spec.tile_clamp, **{n: codes[n] for n in _FWD_CODES})
-    delta = dict(R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"])
     bwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, **{n: codes[n] for n in _BWD_CODES})
+    if spec.delta_dpp:
+        delta = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32,
+                     **{n: codes[n] for n in ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP", "R_DPP", "R_TERMS", "R_DELTA")})
+    else:
+        delta = dict(R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"])
     dkdv = dict(R_P_OP=codes["R_P_OP"], R_DV=codes["R_DV"], R_DK=codes["R_DK"])
     dq = dict(R_DQ=codes["R_DQ"])
     return spec, fwd, delta, bwd, dkdv, dq
@@ -170,14 +176,20 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
     spec, _, delta_meta, meta, dkdv_meta, dq_meta = _meta(key)
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
+    units = 1.0 if spec.emu else LOG2E
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    _launch(None, kernels._attn_bwd_delta, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
-            o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T, HEAD_DIM=D, **delta_meta, config=_DELTA_CONFIG)
+    if spec.delta_dpp:
+        _launch(None, kernels._attn_bwd_delta_dpp, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+                q, k, v, dout, lse, delta, *strides, H, T, scale * units, spec.logical_n, HEAD_DIM=D, CAUSAL=causal,
+                **delta_meta, config=_DELTA_DPP_CONFIG)
+    else:
+        _launch(None, kernels._attn_bwd_delta, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+                o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T, HEAD_DIM=D, **delta_meta,
+                config=_DELTA_CONFIG)
     dq = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
-    units = 1.0 if spec.emu else LOG2E
-    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     _launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
             q, k, v, dout, lse, delta, dk, dv, *strides, H, T, scale * units, scale, spec.logical_m,
             HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])

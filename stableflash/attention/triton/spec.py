@@ -41,6 +41,8 @@ class KernelSpec:
     codes: tuple[tuple[str, int], ...]
     out_dtype: torch.dtype
     save_fp32_o: bool
+    delta_dpp: bool
+    """δ = rowsum(dP ∘ P) from a pass over the keys (the `dp_p` formula) instead of rowsum(dO ∘ O)."""
     logical_m: int
     logical_n: int
     tile_clamp: float
@@ -67,8 +69,8 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
         return "compute must be fp32"
     if policy.rounding != "nearest":
         return "rounding must be 'nearest'"
-    if policy.delta_formula != "do_o":
-        return f"delta_formula {policy.delta_formula!r} is reference-only"
+    if policy.delta_formula == "do_o_recomputed":
+        return "delta_formula 'do_o_recomputed' is reference-only"
     for site in SITES:
         if policy.dtype(site, dtype) not in _CODES:
             return f"site {site} in {getattr(policy, site)} (kernels round to fp32, bf16 or fp16)"
@@ -112,6 +114,7 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
         R_LSE_ADD=_promote(code["lse"], code["row_max"]),
         R_MUL=_promote(out_code, o_saved_code), R_TERMS=code["delta_terms"], R_DELTA=code["delta"],
         R_P_SUB=_promote(code["scores"], code["lse"]), R_P=code["p"], R_P_OP=code["p_operand"], R_DP=code["dp"],
+        R_DPP=_promote(code["dp"], code["p"]),
         R_DS1=_promote(code["dp"], code["delta"]), R_DS=code["ds"], R_DS_OP=code["ds_operand"],
         R_DV=code["dv"], R_DK=code["dk"], R_DQ=code["dq"],
     )
@@ -134,6 +137,7 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
     return KernelSpec(
         emu=emu, ops_fp32=ops_fp32, codes=tuple(sorted(codes.items())),
         out_dtype=policy.dtype("out", dtype), save_fp32_o=policy.o_saved == "fp32",
+        delta_dpp=policy.delta_formula == "dp_p",
         logical_m=policy.block_m or whole, logical_n=policy.block_n or whole,
         tile_clamp=float(policy.tile_sum_clamp or 0.0), stab=stab, beta=beta, eps=eps * units,
         low=low * units, high=high * units, bounded=bounded, clamp_ceiling=ceiling,
