@@ -80,11 +80,15 @@ def _log(x):
 @triton.jit
 def _dot(a, b, acc, OPS_FP32: tl.constexpr):
     """a @ b + acc with fp32 accumulation; operands in their dtype, or exact fp32 when OPS_FP32."""
+    # one return through if/elif/else: after an early `return` under a constexpr `if`, Triton still compiles the
+    # rest, and the bf16 dot of fp32 operands below failed to compile (the "fp32-operand variant" error on the H200)
     if _INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    if OPS_FP32:  # three tf32 products: fp32-level accuracy on the tensor cores
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
-    return tl.dot(a, b, acc)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif OPS_FP32:  # three tf32 products: fp32-level accuracy on the tensor cores
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
 
 
 @triton.jit

@@ -76,9 +76,10 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
             return f"site {site} in {getattr(policy, site)} (kernels round to fp32, bf16 or fp16)"
     for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
         if policy.dtype(site, dtype) != dtype and not INTERPRET:
-            # the fp32-operand variant passes under the interpreter but failed to compile on an H200
-            # (triton 3.6, sm_90, 2026-11-29): such policies (fp32, fp64) run on the reference
-            return f"site {site} must be the input dtype (fp32 matmul operands are reference-only on the GPU)"
+            # the fp32-operand variant passes under the interpreter and now compiles for sm_90 (it failed on an
+            # H200 until kernels._dot was fixed), but it has not run on a GPU yet: such policies stay on the reference
+            return (f"site {site} must be the input dtype (fp32 matmul operands are not yet verified on a GPU; "
+                    "they run on the reference)")
         if policy.dtype(site, dtype) not in (dtype, torch.float32):
             return f"matmul operand site {site} must be the input dtype or fp32"
     if policy.o_saved not in ("out", "fp32"):

@@ -1,0 +1,56 @@
+"""Compile the fused kernels for a named GPU target on any machine, no GPU needed.
+
+Triton lowers a kernel to a cubin for a given target anywhere; `cuobjdump -res-usage` (shipped in
+Triton's wheel) reads its registers and spills. This answers "does this specialisation compile for
+the H200 (sm_90)?" and "does it spill?" without device time (`benchmarks/kernel_resources.py`, tests).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from stableflash.attention.triton import kernels, ops
+
+SM90 = GPUTarget("cuda", 90, 32)
+_CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+_POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "OS", "DO", "DK", "DV", "DQ")},
+             **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX")}, "STAT_COUNTS": "*i32"}
+_FLOATS = {"scale", "qk_scale", "eps_u"}
+KERNELS = {"fwd": kernels._attn_fwd, "delta": kernels._attn_bwd_delta, "delta_dpp": kernels._attn_bwd_delta_dpp,
+           "dkdv": kernels._attn_bwd_dkdv, "dq": kernels._attn_bwd_dq}
+
+
+def constexprs(key: str, kernel: str, head_dim: int, config: triton.Config, causal: bool = True,
+               stats: bool = False) -> dict:
+    """The compile-time arguments `ops` launches `kernel` with, for the registered spec `key` and a tile."""
+    _, fwd, delta, bwd, dkdv, dq = ops._meta(key)
+    own = {"fwd": {**fwd, "STATS": stats}, "delta": delta, "delta_dpp": delta,
+           "dkdv": {**bwd, **dkdv}, "dq": {**bwd, **dq}}[kernel]
+    common = {"HEAD_DIM": head_dim} if kernel == "delta" else {"HEAD_DIM": head_dim, "CAUSAL": causal}
+    return {**own, **common, **config.kwargs}
+
+
+def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPUTarget = SM90):
+    """Compile one kernel specialisation for `target`; raises Triton's CompilationError if it does not compile."""
+    fn = KERNELS[kernel]
+    signature = {name: "constexpr" if name in consts else _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
+                 for name in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(source, target=target, options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def resource_usage(compiled) -> dict:
+    """Registers per thread and spill (local stack) bytes of a compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([_CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", report)
+    return {"registers": int(found[1]), "spill_stack_bytes": int(found[2])}
