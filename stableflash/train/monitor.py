@@ -59,6 +59,16 @@ class SpectralNorms:
         return norms
 
 
+def _jump(past, value: float, factor: float, *, minimum: float = -math.inf, warm: int = 3,
+          floor: float = 1e-12) -> float | None:
+    """The running median of `past` if `value` exceeds `factor` times it (and `minimum`), else None;
+    None too while `past` holds fewer than `warm` values. `floor` keeps a zero median from flagging noise."""
+    if len(past) < warm:
+        return None
+    median = statistics.median(past)
+    return median if value > factor * max(median, floor) and value >= minimum else None
+
+
 class Monitor:
     def __init__(self, cfg, model, run_dir: Path, enabled: bool = True):
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -106,11 +116,9 @@ class Monitor:
         event = None
         if not math.isfinite(grad_norm):
             event = {"step": step, "kind": "warning", "signal": "grad_norm", "grad_norm": grad_norm}
-        elif len(self.grad_norms) >= 10:
-            median = statistics.median(self.grad_norms)
-            if grad_norm > self.cfg.grad_warn_factor * median:
-                event = {"step": step, "kind": "warning", "signal": "grad_norm", "grad_norm": grad_norm,
-                         "running_median": median}
+        elif (median := _jump(self.grad_norms, grad_norm, self.cfg.grad_warn_factor, warm=10, floor=0.0)) is not None:
+            event = {"step": step, "kind": "warning", "signal": "grad_norm", "grad_norm": grad_norm,
+                     "running_median": median}
         if math.isfinite(grad_norm):
             self.grad_norms.append(grad_norm)
         return event
@@ -120,11 +128,10 @@ class Monitor:
         events = []
         for head, score in enumerate(max_scores):
             past = self.logit_history.setdefault((layer, head), deque(maxlen=20))
-            if len(past) >= 3:
-                median = statistics.median(past)
-                if score > self.cfg.logit_warn_factor * max(median, 1e-12) and score >= self.cfg.logit_warn_min:
-                    events.append({"step": step, "kind": "warning", "signal": "max_logit", "layer": layer,
-                                   "head": head, "max_logit": score, "running_median": median})
+            median = _jump(past, score, self.cfg.logit_warn_factor, minimum=self.cfg.logit_warn_min)
+            if median is not None:
+                events.append({"step": step, "kind": "warning", "signal": "max_logit", "layer": layer,
+                               "head": head, "max_logit": score, "running_median": median})
             if math.isfinite(score):
                 past.append(score)
         return events
@@ -135,14 +142,13 @@ class Monitor:
         for head, rows in enumerate(stats["rows"]):
             fraction = stats["repeated_max_rows"][head] / max(1, rows)
             past = self.history.setdefault((layer, head), deque(maxlen=20))
-            if len(past) >= 3:
-                median = statistics.median(past)
-                if fraction > self.cfg.warn_factor * max(median, 1e-12) and fraction >= self.cfg.warn_min_fraction:
-                    event = {"step": step, "kind": "warning", "signal": "repeated_max", "layer": layer, "head": head,
-                             "repeated_max_fraction": fraction, "running_median": median}
-                    if wq_norms is not None:
-                        event["wq_spectral_norm"] = wq_norms[head]
-                    events.append(event)
+            median = _jump(past, fraction, self.cfg.warn_factor, minimum=self.cfg.warn_min_fraction)
+            if median is not None:
+                event = {"step": step, "kind": "warning", "signal": "repeated_max", "layer": layer, "head": head,
+                         "repeated_max_fraction": fraction, "running_median": median}
+                if wq_norms is not None:
+                    event["wq_spectral_norm"] = wq_norms[head]
+                events.append(event)
             past.append(fraction)
         return events
 

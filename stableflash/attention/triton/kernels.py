@@ -397,6 +397,28 @@ def _load_lse(LSE, offs, T, EMU: tl.constexpr):
 
 
 @triton.jit
+def _key_tile_p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                   EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
+                   R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr):
+    """For the query rows `offs_m` and the key tile at `start_n`: its keys k, P (recomputed) and dP = dO Vᵀ."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
+    v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
+    p = _bwd_probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
+    dp = _round(_dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), OPS_FP32), R_DP)
+    return k, p, dp
+
+
+@triton.jit
+def _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_dob, stride_doh):
+    """Element offsets of (batch, head) `bh` in Q, K, V and dO, and of its rows in the (B*H, T) statistics."""
+    return (_head_offset(bh, H, stride_qb, stride_qh), _head_offset(bh, H, stride_kb, stride_kh),
+            _head_offset(bh, H, stride_vb, stride_vh), _head_offset(bh, H, stride_dob, stride_doh),
+            bh.to(tl.int64) * T)
+
+
+@triton.jit
 def _attn_bwd_delta_dpp(
     Q, K, V, DO, LSE, DELTA,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
@@ -409,25 +431,20 @@ def _attn_bwd_delta_dpp(
     key, summed per logical key tile and added up with the policy's rounding, as the reference does."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    q_off = _head_offset(bh, H, stride_qb, stride_qh)
-    k_off = _head_offset(bh, H, stride_kb, stride_kh)
-    v_off = _head_offset(bh, H, stride_vb, stride_vh)
-    row_off = bh.to(tl.int64) * T
+    q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
+                                                        stride_vb, stride_vh, stride_dob, stride_doh)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
-    do = _load_rows(DO + _head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
+    do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
     lse = _load_lse(LSE + row_off, offs_m, T, EMU)
     delta = tl.zeros((BLOCK_M,), tl.float32)
     hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
     for lt in range(0, hi, LT):
         part = tl.zeros((BLOCK_M,), tl.float32)
         for start_n in range(lt, tl.minimum(lt + LT, hi), BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
-            v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
-            p = _bwd_probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, True, EMU, OPS_FP32, R_QK, R_SCORES,
-                           R_P_SUB, R_P)
-            dp = _round(_dot(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), OPS_FP32), R_DP)
+            _, p, dp = _key_tile_p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
+                                      qk_scale, BLOCK_N, HEAD_DIM, CAUSAL, True, EMU, OPS_FP32, R_QK, R_SCORES,
+                                      R_P_SUB, R_P, R_DP)
             part += tl.sum(_round(_round(dp * p, R_DPP), R_TERMS), 1)
         delta = _round(delta + _round(part, R_DELTA), R_DELTA)
     tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
@@ -472,11 +489,8 @@ def _attn_bwd_dkdv(
     """dK and dV for one key tile, looping over the query tiles that see it."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
-    q_off = _head_offset(bh, H, stride_qb, stride_qh)
-    k_off = _head_offset(bh, H, stride_kb, stride_kh)
-    v_off = _head_offset(bh, H, stride_vb, stride_vh)
-    do_off = _head_offset(bh, H, stride_dob, stride_doh)
-    row_off = bh.to(tl.int64) * T
+    q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
+                                                        stride_vb, stride_vh, stride_dob, stride_doh)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     keys = offs_n[:, None] < T
@@ -529,11 +543,8 @@ def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_k
              EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
              R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr,
              R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
-    v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
-    p = _bwd_probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
-    dp = _round(_dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), OPS_FP32), R_DP)
+    k, p, dp = _key_tile_p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+                              BLOCK_N, HEAD_DIM, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P, R_DP)
     ds = _round(_round(p * _round(dp - delta[:, None], R_DS1), R_DS2), R_DS)
     if OPS_FP32:
         dq = _dot(_round(ds, R_DS_OP), k, dq, True)
@@ -556,11 +567,8 @@ def _attn_bwd_dq(
     """dQ for one query tile, looping over the key tiles it sees."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    q_off = _head_offset(bh, H, stride_qb, stride_qh)
-    k_off = _head_offset(bh, H, stride_kb, stride_kh)
-    v_off = _head_offset(bh, H, stride_vb, stride_vh)
-    do_off = _head_offset(bh, H, stride_dob, stride_doh)
-    row_off = bh.to(tl.int64) * T
+    q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
+                                                        stride_vb, stride_vh, stride_dob, stride_doh)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m[:, None] < T
