@@ -204,9 +204,9 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, key, stats, stats_eps):
-        out, o_saved, lse, counts, smax = forward(q, k, v, causal, scale, key, stats, stats_eps)
-        ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse)
-        ctx.causal, ctx.scale, ctx.key = causal, scale, key
+        output = forward(q, k, v, causal, scale, key, stats, stats_eps)
+        _setup_context(ctx, (q, k, v, causal, scale, key, stats, stats_eps), output)
+        out, _, _, counts, smax = output
         ctx.mark_non_differentiable(counts, smax)
         return out, counts, smax
 
@@ -248,6 +248,7 @@ def _(dout, q, k, v, o_saved, lse, causal, scale, key):
 
 
 def _setup_context(ctx, inputs, output):
+    """What the backward needs (shared by the custom op's autograd and `FlashAttention`)."""
     q, k, v, causal, scale, key, _, _ = inputs
     out, o_saved, lse, _, _ = output
     ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse)
