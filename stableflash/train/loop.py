@@ -267,6 +267,25 @@ class Trainer:
         self._log("events.jsonl", {"step": self.step, "kind": "action", "action": action, "layer": layer,
                                    "attention": new.describe()})
 
+    # -- decisions every rank must share: otherwise one rank leaves the loop or swaps its attention
+    # while the others wait in the next collective
+
+    def _agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag is true on every rank when it is true on any."""
+        if self.world == 1:
+            return flags
+        shared = torch.tensor([int(f) for f in flags], device=self.device)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        return tuple(bool(f) for f in shared.tolist())
+
+    def _from_main(self, events: list[dict], *, every_rank: bool) -> list[dict]:
+        """Rank 0's monitor events on every rank (all ranks call this at the same steps)."""
+        if self.world == 1 or not every_rank:
+            return events
+        box = [events]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def run(self) -> dict:
         cfg = self.cfg
         tokens_per_step = self.global_batch * cfg.model.block_size
@@ -278,7 +297,8 @@ class Trainer:
         with _StopSignal() as stop:
             while self.step < cfg.run.max_steps:
                 started = time.perf_counter()
-                monitored = self.monitor.due(self.step)
+                monitored = self.monitor.due(self.step)  # on rank 0 only
+                monitor_step = cfg.monitor.interval > 0 and self.step % cfg.monitor.interval == 0
                 if monitored:
                     self.monitor.arm(self.model)
                 loss, grad_norm, lr, batch = self.train_step(self.step)
@@ -301,17 +321,21 @@ class Trainer:
                 grad_event = self.monitor.check_grad(self.step, grad_norm) if self.is_main else None
                 if grad_event is not None:
                     self._log("events.jsonl", grad_event)
-                if monitored and self.is_main:
+                events = []
+                if monitored:
                     entry, events = self.monitor.observe(self.step, self.model, loss)
                     self._log("monitor.jsonl", entry)
                     for event in events:
                         self._log("events.jsonl", event)
-                        self._intervene(event)
+                for event in self._from_main(events, every_rank=monitor_step):
+                    self._intervene(event)
                 reason = self.monitor.check_loss(self.step, loss, cfg.optim.warmup_steps) if self.is_main else None
-                if reason is not None:
-                    self._log("events.jsonl", {"step": self.step, "kind": "stop", "reason": reason})
-                    self._dump(reason, batch)
-                    stop_reason = reason
+                loss_stop, signalled = self._agree(reason is not None, stop.received is not None)
+                if loss_stop:
+                    if reason is not None:
+                        self._log("events.jsonl", {"step": self.step, "kind": "stop", "reason": reason})
+                        self._dump(reason, batch)
+                    stop_reason = reason or "loss stop on rank 0"
                     break
                 if cfg.run.eval_interval and self.step % cfg.run.eval_interval == 0:
                     val = self.evaluate()
@@ -320,8 +344,8 @@ class Trainer:
                         self.tensorboard.add_scalar("val/loss", val, self.step)
                 if cfg.run.checkpoint_interval and self.step % cfg.run.checkpoint_interval == 0:
                     self.save()
-                if stop.received is not None:
-                    stop_reason = f"signal {stop.received}"
+                if signalled:
+                    stop_reason = f"signal {stop.received or 'on another rank'}"
                     break
         if progress is not None:
             progress.close()

@@ -184,3 +184,29 @@ def test_torchrun_killed_rank_ends_the_job_and_keeps_the_last_checkpoint(tmp_pat
     # the surviving checkpoint resumes (on one process: the checkpoint does not depend on the world size)
     assert main(["train", "--resume", str(run), "--set", f"run.max_steps={state['step'] + 2}",
                  "--set", "data.grad_accum=2"]) == 0
+
+
+def test_torchrun_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, data_dir):
+    # a signal reaches the ranks at different moments (or only one of them): the ranks agree to stop after
+    # the same step, so none waits forever in a collective the others have left
+    run = tmp_path / "run"
+    cmd = _torchrun("--config", "configs/tiny-cpu.toml", "--out", str(run), "--set", f"data.data_dir={data_dir}",
+                    "--set", "run.max_steps=100000", "--set", "run.checkpoint_interval=0", *_DDP_CPU)
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(losses(run)) >= 4):
+            time.sleep(0.2)
+        workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+        pids = [int(p) for p in workers.stdout.split()]
+        assert len(pids) == 2, workers.stdout
+        os.kill(pids[-1], signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])  # rank 0's
+    assert summary["stop_reason"].startswith("signal")
+    assert load_checkpoint(run)["step"] == summary["step"] == len(losses(run))
