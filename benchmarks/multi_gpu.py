@@ -8,7 +8,8 @@ Parts (each writes its entry into OUT/multi-gpu.json as soon as it ends, so a cu
            losses are compared bit for bit with those the killed run had logged after that checkpoint;
 - signal:  SIGTERM to one rank only: every rank stops after the same step, with a checkpoint;
 - scaling: tokens/s on 1 and on N GPUs at the same per-GPU batch (weak scaling), for the quick-gpu preset
-           and for GPT-2 S's shape (compiled); efficiency = tokens/s on N / (N x tokens/s on 1).
+           and for GPT-2 S's shape (compiled); efficiency = tokens/s on N / (N x tokens/s on 1). As a ceiling
+           without communication, N independent 1-GPU runs at once on the same host.
 
     python benchmarks/multi_gpu.py --out OUT [--gpus 2] [--parts match,resume,kill,signal,scaling]
 """
@@ -168,8 +169,19 @@ def part_scaling(args, base) -> dict:
             rows.append({"shape": name, "gpus": nproc, "tokens_per_s": rates[nproc],
                          "tokens_per_s_per_gpu": rates[nproc] / nproc, "wall_s": round(time.time() - started, 1)})
         rows[-1]["efficiency"] = rates[args.gpus] / (args.gpus * rates[1])
+        # the ceiling without communication: N independent 1-GPU runs at once, one per GPU (shared host)
+        runs = [args.work / f"scaling-{name}-alone-{i}" for i in range(args.gpus)]
+        procs = [subprocess.Popen(command(1, "--out", str(run), *common), env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i)},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for i, run in enumerate(runs)]
+        if any(proc.wait(timeout=400) for proc in procs):
+            raise RuntimeError(f"{name}: independent runs failed: {procs[0].stderr.read()[-2000:]}")
+        together = sum(_rate(run, args.scaling_warmup) for run in runs)
+        rows.append({"shape": name, "gpus": args.gpus, "independent_runs": True, "tokens_per_s": together,
+                     "tokens_per_s_per_gpu": together / args.gpus, "efficiency": together / (args.gpus * rates[1])})
         print(f"{name}: 1 GPU {rates[1]:.0f} tok/s, {args.gpus} GPUs {rates[args.gpus]:.0f} tok/s, "
-              f"efficiency {rows[-1]['efficiency']:.3f}", flush=True)
+              f"efficiency {rows[-2]['efficiency']:.3f} (independent runs at once: {rows[-1]['efficiency']:.3f})",
+              flush=True)
     return {"steps": args.scaling_steps, "warmup": args.scaling_warmup, "per_gpu_batch": "preset's (quick-gpu 32x512, "
             "gpt2s 16x1024)", "rows": rows}
 

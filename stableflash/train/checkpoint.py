@@ -24,11 +24,12 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    # a checkpoint loaded with map_location="cuda" holds these on the GPU; the setters take CPU byte tensors
+    torch.set_rng_state(state["torch"].cpu())
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def save_checkpoint(run_dir: Path, payload: dict, name: str = CHECKPOINT) -> Path:

@@ -46,6 +46,19 @@ def test_resume_is_bit_exact(tmp_path, tiny):
     assert [m["step"] for m in read_jsonl(split / "metrics.jsonl") if "loss" in m] == list(range(1, 21))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_resume_on_the_gpu_is_bit_exact(tmp_path, tiny):
+    # the checkpoint loads onto the GPU (RNG states included, which must go back to the CPU)
+    gpu = ("run.device=cuda", "run.checkpoint_interval=0", "attention.backend=triton", "attention.precision=paper")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(tiny("run.max_steps=12", *gpu), straight)
+    train(tiny("run.max_steps=6", *gpu), split)
+    assert main(["train", "--resume", str(split), "--set", "run.max_steps=12"]) == 0
+    a, b = losses(straight), losses(split)
+    assert len(b) == 12 and a == b
+
+
 def test_two_runs_are_bit_identical_and_schedule_ignores_max_steps(tmp_path, tiny):
     train(tiny("run.max_steps=8"), tmp_path / "a")
     train(tiny("run.max_steps=12"), tmp_path / "b")
