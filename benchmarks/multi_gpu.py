@@ -1,6 +1,7 @@
 """DDP on the GPUs of one host, through torchrun and NCCL: scaling, fidelity, resume and failure.
 
 Parts (each writes its entry into OUT/multi-gpu.json as soon as it ends, so a cut run keeps what it did):
+- allreduce: NCCL's fp32 all-reduce bandwidth between the GPUs and the transport it chose;
 - match:   the same global batch on 1 GPU (gradient accumulation) and on N GPUs (one micro-batch each, the
            1-GPU run's batches replayed): the two loss curves, step by step;
 - resume:  N GPUs for S steps straight, against S/2 steps, a checkpoint, and a resume on N GPUs: bit-exact?
@@ -186,7 +187,49 @@ def part_scaling(args, base) -> dict:
             "gpt2s 16x1024)", "rows": rows}
 
 
-PARTS = {"match": part_match, "resume": part_resume, "kill": part_kill, "signal": part_signal, "scaling": part_scaling}
+def allreduce_worker(out: Path) -> None:
+    """Under torchrun: the bus bandwidth of an fp32 all-reduce per size (NCCL's busbw convention)."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for mib in (1, 16, 64, 256, 512):
+        x = torch.ones(mib * 2**18, device="cuda")
+        for _ in range(3):
+            dist.all_reduce(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(10):
+            dist.all_reduce(x)
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / 10
+        rows.append({"mib": mib, "ms": seconds * 1e3, "busbw_gb_s": 2 * (world - 1) / world * mib * 2**20 / seconds / 1e9})
+    if rank == 0:
+        out.write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def part_allreduce(args, base) -> dict:
+    """NCCL all-reduce bandwidth between the GPUs, and the transport NCCL chose (from NCCL_DEBUG=INFO)."""
+    result = args.work / "allreduce.json"
+    env = {**os.environ, "NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(args.gpus))}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+                           __file__, "--allreduce-worker", str(result)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    log = done.stdout + done.stderr
+    transport = sorted({line.split("NCCL INFO", 1)[1].strip()[:160] for line in log.splitlines()
+                        if "NCCL INFO" in line and (" via " in line or "P2P" in line or "SHM" in line)})[:12]
+    if done.returncode != 0:
+        raise RuntimeError(log[-3000:])
+    return {"rows": json.loads(result.read_text()), "nccl_transport_lines": transport}
+
+
+PARTS = {"allreduce": part_allreduce, "match": part_match, "resume": part_resume, "kill": part_kill,
+         "signal": part_signal, "scaling": part_scaling}
 
 
 def main():
@@ -201,7 +244,10 @@ def main():
     parser.add_argument("--scaling-warmup", type=int, default=20)
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="config override for every run (a CPU smoke test: --set run.device=cpu ...)")
+    parser.add_argument("--allreduce-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.allreduce_worker:
+        return allreduce_worker(args.allreduce_worker)
     if args.gpus < 2:
         parser.error(f"--gpus: needs at least 2 GPUs, got {args.gpus}")
     args.out.mkdir(parents=True, exist_ok=True)
