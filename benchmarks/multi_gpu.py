@@ -217,9 +217,9 @@ def part_allreduce(args, base) -> dict:
     """NCCL all-reduce bandwidth between the GPUs, and the transport NCCL chose (from NCCL_DEBUG=INFO)."""
     result = args.work / "allreduce.json"
     env = {**os.environ, "NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(args.gpus))}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
-                           __file__, "--allreduce-worker", str(result)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+              __file__, "--out", str(args.work), "--allreduce-worker", str(result)]
+    done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=300)
     log = done.stdout + done.stderr
     transport = sorted({line.split("NCCL INFO", 1)[1].strip()[:160] for line in log.splitlines()
                         if "NCCL INFO" in line and (" via " in line or "P2P" in line or "SHM" in line)})[:12]
