@@ -212,6 +212,8 @@ class RunConfig:
     deterministic: bool = True
     """torch.use_deterministic_algorithms (bit-identical reruns on CPU; on GPU as far as torch allows)."""
     compile: bool = False
+    ddp_bucket_mb: float = 25.0
+    """DDP's gradient bucket size (torch's default 25); under torch.compile each bucket splits the graph."""
     tensorboard: bool = False
     progress: bool = True
 

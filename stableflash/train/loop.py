@@ -101,7 +101,8 @@ class Trainer:
         self.ddp = None
         if self.world > 1:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=cfg.run.ddp_bucket_mb)
         self.train_module = self.ddp if self.ddp is not None else self.model
         if cfg.run.compile:  # the fused attention is a custom op, so the whole model traces as one graph
             self.train_module = torch.compile(self.train_module)
