@@ -37,6 +37,24 @@ def test_fp32_reference_matches_fp64_math(T, D, causal):
         assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("preset", ["fp32", "fa2", "paper"])
+def test_autocast_does_not_change_the_reference(preset):
+    # training runs under bf16 autocast; the policy alone must decide the rounding (autocast once ran the
+    # reference's matmuls in bf16, and the fp32 policy's gradients were off by ~4%)
+    g = torch.Generator().manual_seed(7)
+    q, k, v, do = (torch.randn(2, 3, 70, 16, generator=g).mul(s).bfloat16() for s in (3, 3, 1, 1))
+
+    def run(autocast: bool):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = flash_attention(*leaves, causal=True, precision=PRESETS[preset], backend="reference")
+        out.backward(do.to(out.dtype))
+        return [out, *(t.grad for t in leaves)]
+
+    for plain, autocast in zip(run(False), run(True)):
+        assert plain.dtype == autocast.dtype and torch.equal(plain, autocast)
+
+
 def test_fp64_reference_passes_gradcheck():
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
