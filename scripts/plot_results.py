@@ -94,6 +94,44 @@ def plot_probe_run(run: Path) -> Path:
     return _save(fig, out)
 
 
+def plot_multi_gpu(folder: Path) -> Path:
+    """DDP on several GPUs: 1-vs-N loss curves, tokens/s per GPU, NCCL all-reduce bandwidth."""
+    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("multi-gpu-*.json"))]
+    match = next(r["match"] for r in runs if "loss_1gpu" in r.get("match", {}))
+    scaling = [(r["meta"]["commit"], row) for r in runs if "rows" in r.get("scaling", {}) for row in r["scaling"]["rows"]]
+    allreduce = json.loads((folder / "allreduce-54930dd.json").read_text())["allreduce"]["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    n = next(k for k in match if k.startswith("loss_") and k != "loss_1gpu")
+    axes[0].plot(match["loss_1gpu"], lw=2, color="tab:blue", label="1 GPU (grad accumulation)")
+    axes[0].plot(match[n], lw=1, ls="--", color="tab:red", label=f"{n[5:]} (DDP, replayed batches)")
+    axes[0].set_title(f"same global batch: {match['bit_identical_steps']}/{match['steps']} steps bit-identical")
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("training loss")
+    axes[0].legend(fontsize=8)
+    labels, values, colors = [], [], []
+    for commit, row in scaling:
+        kind = "1 GPU" if row["gpus"] == 1 else ("independent" if row.get("independent_runs") else "DDP")
+        labels.append(f"{row['shape']}\n{kind} {row['gpus']}x ({commit})")
+        values.append(row["tokens_per_s_per_gpu"] / 1e3)
+        colors.append({"1 GPU": "tab:blue", "DDP": "tab:red", "independent": "tab:gray"}[kind])
+    buckets = json.loads((folder / "ddp-overheads.json").read_text())["gpt2s_compiled_bucket_size"]
+    for row in buckets["rows"]:
+        labels.append(f"gpt2s-compiled\nDDP 2x, buckets of {row['run'][1:]} MB ({buckets['commit']})")
+        values.append(row["median_tokens_per_s"] / 2 / 1e3)
+        colors.append("tab:orange")
+    axes[1].barh(range(len(values)), values, color=colors)
+    axes[1].set_yticks(range(len(values)), labels, fontsize=6)
+    axes[1].invert_yaxis()
+    axes[1].set_xlabel("thousand tokens/s per GPU")
+    axes[1].set_title("weak scaling (per-GPU batch fixed)")
+    axes[2].semilogx([r["mib"] for r in allreduce], [r["busbw_gb_s"] for r in allreduce], marker="o")
+    axes[2].set_xlabel("all-reduce size (MiB, fp32)")
+    axes[2].set_ylabel("NCCL bus bandwidth (GB/s)")
+    axes[2].set_title("all-reduce between the two H200s (P2P/CUMEM)")
+    fig.suptitle(f"{folder.name}: {runs[0]['meta']['gpus']}", fontsize=9)
+    return _save(fig, folder / "multi-gpu.png")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -102,6 +140,8 @@ def main():
         print(plot_sweep(path))
     for path in sorted(args.results.glob("attention-bench-*.json")):
         print(plot_attention_bench(path))
+    for folder in sorted(p.parent for p in args.results.glob("multi-gpu-*/allreduce-*.json")):
+        print(plot_multi_gpu(folder))
     for run in sorted(p.parent for p in args.results.glob("probe-*/*/metrics.jsonl")):
         print(plot_probe_run(run))
 
