@@ -224,6 +224,8 @@ class RunConfig:
             raise ValueError(f"run.dtype: expected bf16 or fp32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"run.device: expected auto, cpu or cuda, got {self.device!r}")
+        if not self.ddp_bucket_mb > 0:
+            raise ValueError(f"run.ddp_bucket_mb: expected a positive size in MB, got {self.ddp_bucket_mb}")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ def test_overrides_roundtrip_and_unknown_keys():
         load_config("tiny-cpu", ["attention.precision=fp17"])
     with pytest.raises(FileNotFoundError, match="presets in configs/"):
         load_config("nope")
+    with pytest.raises(ValueError, match="run.ddp_bucket_mb: expected a positive size"):
+        load_config("tiny-cpu", ["run.ddp_bucket_mb=0"])
 
 
 def test_lr_schedule_is_independent_of_where_the_run_stops():

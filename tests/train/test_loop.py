@@ -173,25 +173,32 @@ def test_torchrun_resume_on_two_processes_is_bit_exact(tmp_path, data_dir):
     assert len(a) == len(b) == 6 and a == b
 
 
-def test_torchrun_killed_rank_ends_the_job_and_keeps_the_last_checkpoint(tmp_path, data_dir):
-    run = tmp_path / "run"
+def _signal_one_rank(run: Path, data_dir, sig: int, *, after_steps: int, checkpoint_interval: int):
+    """Start a 2-process run, send `sig` to one worker once `after_steps` steps are logged, wait for the job:
+    (returncode, stdout, stderr)."""
     cmd = _torchrun("--config", "configs/tiny-cpu.toml", "--out", str(run), "--set", f"data.data_dir={data_dir}",
-                    "--set", "run.max_steps=100000", "--set", "run.checkpoint_interval=2", *_DDP_CPU)
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                    "--set", "run.max_steps=100000", "--set", f"run.checkpoint_interval={checkpoint_interval}", *_DDP_CPU)
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(losses(run)) >= 6):
+        while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(losses(run)) >= after_steps):
             time.sleep(0.2)
         workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True)
         pids = [int(p) for p in workers.stdout.split()]
         assert len(pids) == 2, workers.stdout
-        os.kill(pids[-1], signal.SIGKILL)  # one rank dies without warning
-        _, err = proc.communicate(timeout=180)
+        os.kill(pids[-1], sig)
+        out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0, "the job must fail when a rank dies"
+    return proc.returncode, out, err
+
+
+def test_torchrun_killed_rank_ends_the_job_and_keeps_the_last_checkpoint(tmp_path, data_dir):
+    run = tmp_path / "run"
+    returncode, _, _ = _signal_one_rank(run, data_dir, signal.SIGKILL, after_steps=6, checkpoint_interval=2)
+    assert returncode != 0, "the job must fail when a rank dies"
     state = load_checkpoint(run)
     assert state["step"] >= 2 and state["step"] % 2 == 0
     # the surviving checkpoint resumes (on one process: the checkpoint does not depend on the world size)
@@ -203,23 +210,8 @@ def test_torchrun_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path
     # a signal reaches the ranks at different moments (or only one of them): the ranks agree to stop after
     # the same step, so none waits forever in a collective the others have left
     run = tmp_path / "run"
-    cmd = _torchrun("--config", "configs/tiny-cpu.toml", "--out", str(run), "--set", f"data.data_dir={data_dir}",
-                    "--set", "run.max_steps=100000", "--set", "run.checkpoint_interval=0", *_DDP_CPU)
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(losses(run)) >= 4):
-            time.sleep(0.2)
-        workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True)
-        pids = [int(p) for p in workers.stdout.split()]
-        assert len(pids) == 2, workers.stdout
-        os.kill(pids[-1], signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, err[-2000:]
+    returncode, out, err = _signal_one_rank(run, data_dir, signal.SIGTERM, after_steps=4, checkpoint_interval=0)
+    assert returncode == 0, err[-2000:]
     summary = json.loads(out.strip().splitlines()[-1])  # rank 0's
     assert summary["stop_reason"].startswith("signal")
     assert load_checkpoint(run)["step"] == summary["step"] == len(losses(run))
