@@ -62,7 +62,7 @@ def metrics(run: Path) -> list[dict]:
 
 
 def part_match(args, base) -> dict:
-    """Global batch G on 1 GPU (micro-batches of G/N, N accumulation steps) and on N GPUs (one each)."""
+    """Global batch ~32 on 1 GPU (N accumulation steps of 32 // N sequences) and on N GPUs (one each)."""
     n, steps, micro = args.gpus, args.match_steps, 32 // args.gpus
     common = [*base, *sets("run.deterministic=true", f"run.max_steps={steps}", "run.checkpoint_interval=0",
                            f"data.batch_size={micro}")]
@@ -71,7 +71,7 @@ def part_match(args, base) -> dict:
     train(n, "--out", str(many), *common, "--replay", str(one))
     a, b = metrics(one), metrics(many)
     diffs = [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)]
-    return {"steps": steps, "global_batch": 32, "micro_batch": micro, "loss_1gpu": [m["loss"] for m in a],
+    return {"steps": steps, "global_batch": micro * n, "micro_batch": micro, "loss_1gpu": [m["loss"] for m in a],
             f"loss_{n}gpu": [m["loss"] for m in b], "max_rel_diff": max(diffs), "median_rel_diff": statistics.median(diffs),
             "first_step_rel_diff": diffs[0], "bit_identical_steps": sum(x["loss"] == y["loss"] for x, y in zip(a, b)),
             "bf16_eps": 2.0 ** -8}
