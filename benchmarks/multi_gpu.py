@@ -145,7 +145,8 @@ def part_signal(args, base) -> dict:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    summary = json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else {}
+    summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    summary = next((s for s in summaries if s.get("rank") == 0), {})
     ckpt = load_checkpoint(run, map_location="cpu")["step"] if (run / "checkpoint.pt").exists() else None
     return {"returncode": proc.returncode, "summary": summary, "checkpoint_step": ckpt,
             "steps_logged": len(metrics(run)), "stderr_tail": err[-1500:] if proc.returncode else ""}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from stableflash.train.config import load_config
@@ -33,5 +34,7 @@ def train_command(args) -> int:
         run_dir = Path(args.out)
         cfg = load_config(args.config, args.overrides)
     summary = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay)
-    print(json.dumps(summary))
+    # one write of one line: under torchrun every rank prints its summary into the same pipe
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
     return 0

@@ -354,7 +354,8 @@ class Trainer:
             self.save()  # a run always checkpoints when it stops
         if self.tensorboard is not None:
             self.tensorboard.close()
-        return {"step": self.step, "stop_reason": stop_reason, "run_dir": str(self.run_dir)}
+        return {"step": self.step, "stop_reason": stop_reason, "run_dir": str(self.run_dir), "rank": self.rank,
+                "attention": [a.attention.describe() for a in self.model.attentions]}
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None) -> dict:

@@ -149,9 +149,9 @@ def test_torchrun_two_processes_match_one(tmp_path, data_dir):
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
-def _torchrun(*args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "stableflash",
-            "train", *args]
+def _torchrun(*args, launcher=()) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *launcher,
+            "-m", "stableflash", "train", *args]
 
 
 _DDP_CPU = ["--set", "run.progress=false", "--set", "attention.backend=sdpa", "--set", "attention.precision=fa2",
@@ -212,6 +212,27 @@ def test_torchrun_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path
     run = tmp_path / "run"
     returncode, out, err = _signal_one_rank(run, data_dir, signal.SIGTERM, after_steps=4, checkpoint_interval=0)
     assert returncode == 0, err[-2000:]
-    summary = json.loads(out.strip().splitlines()[-1])  # rank 0's
-    assert summary["stop_reason"].startswith("signal")
-    assert load_checkpoint(run)["step"] == summary["step"] == len(losses(run))
+    summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert sorted(s["rank"] for s in summaries) == [0, 1]
+    assert all(s["stop_reason"].startswith("signal") for s in summaries)
+    assert load_checkpoint(run)["step"] == summaries[0]["step"] == summaries[1]["step"] == len(losses(run))
+
+
+def test_torchrun_monitor_action_switches_the_layer_on_every_rank(tmp_path, data_dir):
+    # rank 0's monitor warns (a logit rule set to fire once it has 3 readings) and switches the warned
+    # layers to fp32: every rank must switch, or the ranks would train different models
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    done = subprocess.run(_torchrun("--config", "configs/tiny-cpu.toml", "--out", str(run), "--set",
+                                    f"data.data_dir={data_dir}", "--set", "run.max_steps=6", "--set",
+                                    "run.checkpoint_interval=0", "--set", "run.progress=false", "--set",
+                                    "data.batch_size=4", "--set", "monitor.interval=1", "--set",
+                                    "monitor.logit_warn_factor=1e-9", "--set", "monitor.logit_warn_min=0",
+                                    "--set", "monitor.action=fp32", launcher=("--log-dir", str(logs), "--redirects", "1")),
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # each rank's stdout in its own file (printed together, the two summaries can interleave)
+    summaries = [json.loads(path.read_text().strip().splitlines()[-1]) for path in logs.rglob("stdout.log")]
+    assert sorted(s["rank"] for s in summaries) == [0, 1]
+    assert summaries[0]["attention"] == summaries[1]["attention"]
+    assert all("fp32" in a for a in summaries[0]["attention"]), summaries[0]["attention"]
+    assert any(e.get("action") == "fp32" for e in read_jsonl(run / "events.jsonl"))
