@@ -158,10 +158,9 @@ def _rate(run: Path, warmup: int) -> float:
 
 def part_scaling(args, base) -> dict:
     rows = []
-    shapes = {"quick-gpu": ([], args.scaling_steps), "gpt2s-compiled": (GPT2S, args.scaling_steps)}
-    for name, (shape, steps) in shapes.items():
+    for name, shape in {"quick-gpu": [], "gpt2s-compiled": GPT2S}.items():
         common = [*base, *sets("run.deterministic=false", "run.checkpoint_interval=0", "monitor.interval=0",
-                               f"run.max_steps={steps}", *shape)]
+                               f"run.max_steps={args.scaling_steps}", *shape)]
         rates = {}
         for nproc in (1, args.gpus):
             run = args.work / f"scaling-{name}-{nproc}"
