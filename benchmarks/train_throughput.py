@@ -105,8 +105,9 @@ def profile_steps(trainer: Trainer, warmup: int, steps: int) -> dict:
             trainer.train_step(step)
         sync()
         wall_ms = (time.perf_counter() - started) * 1e3 / steps
+    averages = prof.key_averages()
     kernels = {}
-    for event in prof.key_averages():
+    for event in averages:
         if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
             kernels[event.key] = event.self_device_time_total / 1e3 / steps
     device_ms = sum(kernels.values())
@@ -114,7 +115,7 @@ def profile_steps(trainer: Trainer, warmup: int, steps: int) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     return {"wall_ms_per_step": wall_ms, "kernel_ms_per_step": device_ms,
             "gpu_busy_share": device_ms / wall_ms if cuda else None, "attention_kernel_ms_per_step": attention,
-            "kernels_per_step": sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+            "kernels_per_step": sum(e.count for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
             / steps, "top_kernels_ms_per_step": [{"kernel": k[:120], "ms": ms} for k, ms in top]}
 
 

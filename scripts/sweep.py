@@ -26,7 +26,7 @@ from stableflash.train.demo import read_jsonl
 from stableflash.train.loop import train
 
 # The analysed attention and its controls run in the fused kernels' emulation (`triton`); `fp32` runs on
-# the reference in one tile (the kernels' fp32-operand variant does not compile on the GPU yet; one tile
+# the reference in one tile (the kernels' fp32-operand variant is not yet verified on a GPU; one tile
 # keeps the reference fast, and fp32 has no rounding for tiling to change); `ref-paper` is the PyTorch
 # reference of `paper`, as sweep 01 ran it.
 SETTINGS = {

@@ -299,7 +299,7 @@ class Trainer:
             while self.step < cfg.run.max_steps:
                 started = time.perf_counter()
                 monitored = self.monitor.due(self.step)  # on rank 0 only
-                monitor_step = cfg.monitor.interval > 0 and self.step % cfg.monitor.interval == 0
+                monitor_step = self.monitor.step_due(self.step)
                 if monitored:
                     self.monitor.arm(self.model)
                 loss, grad_norm, lr, batch = self.train_step(self.step)

@@ -81,8 +81,13 @@ class Monitor:
         self.n_head = model.config.n_head
         self.armed = False
 
+    def step_due(self, step: int) -> bool:
+        """Whether `step` is a monitored step (the same on every rank)."""
+        return self.cfg.interval > 0 and step % self.cfg.interval == 0
+
     def due(self, step: int) -> bool:
-        return self.enabled and step % self.cfg.interval == 0
+        """Whether this process observes `step` (rank 0 only)."""
+        return self.enabled and self.step_due(step)
 
     def arm(self, model) -> None:
         """Attach fresh stats to every layer whose backend can count."""
