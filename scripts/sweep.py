@@ -24,6 +24,7 @@ from stableflash.train.config import load_config
 from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl
 from stableflash.train.loop import train
+from stableflash.train.pool import run_all
 
 # The analysed attention and its controls run in the fused kernels' emulation (`triton`); `fp32` runs on
 # the reference in one tile (the kernels' fp32-operand variant is not yet verified on a GPU; one tile
@@ -64,6 +65,52 @@ def summarise(run_dir: Path) -> dict:
     }
 
 
+def run_one(task: dict) -> dict:
+    """Train one (cell, setting, seed) and summarise it; an error or the spent budget becomes the row."""
+    row = {"cell": task["cell"], "setting": task["setting"], "seed": task["seed"]}
+    if time.time() > task["deadline"]:
+        return {**row, "skipped": "budget reached before it started"}
+    run_dir = Path(task["run_dir"])
+    t0 = time.time()
+    try:
+        train(load_config(task["config"], task["overrides"]), run_dir)
+        row.update(wall_s=time.time() - t0, **summarise(run_dir))
+    except Exception as error:  # one broken setting must not lose the rest of the sweep
+        row.update(error=f"{type(error).__name__}: {str(error)[:300]}", wall_s=time.time() - t0)
+    if not task["keep"]:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:  # the logs are small; a checkpoint per run is not
+        (run_dir / "checkpoint.pt").unlink(missing_ok=True)
+    return row
+
+
+def describe(row: dict) -> str:
+    head = f"{' '.join(row['cell']):<30} {row['setting']:<11} seed {row['seed']}:"
+    if "skipped" in row or "error" in row:
+        return f"{head} {'SKIPPED ' + row['skipped'] if 'skipped' in row else 'ERROR ' + row['error']}"
+    return (f"{head} best {row['best_loss']:.3f} final {row['final_loss']:.3f} failed={row['failed']} "
+            f"peakWq={row['peak_wq_spectral_norm']:.2f} ({row['wall_s']:.0f}s)")
+
+
+def verdicts(runs: list[dict], analysed: str, control: str) -> list[str]:
+    """Per cell: how often each setting failed, and whether the cell meets the reproduction rule
+    (the analysed setting fails in >= 2 of 3 seeds or more, the control in none)."""
+    lines = []
+    for cell in dict.fromkeys(tuple(r["cell"]) for r in runs):
+        rows = [r for r in runs if tuple(r["cell"]) == cell and "failed" in r]
+        counts = {}
+        for r in rows:
+            failed, total = counts.get(r["setting"], (0, 0))
+            counts[r["setting"]] = (failed + r["failed"], total + 1)
+        parts = [f"{setting} {failed}/{total}" for setting, (failed, total) in counts.items()]
+        lines.append(f"{' '.join(cell) or '(base)'}: failed " + ", ".join(parts))
+        if analysed in counts and control in counts:
+            (a_failed, a_total), (c_failed, c_total) = counts[analysed], counts[control]
+            met = a_total >= 3 and 3 * a_failed >= 2 * a_total and c_total >= 3 and c_failed == 0
+            lines.append(f"  reproduction rule ({analysed} fails in >= 2/3, {control} in 0/3): {'MET' if met else 'not met'}")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -72,41 +119,37 @@ def main():
     parser.add_argument("--settings", default="paper,fp32")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--budget-s", type=float, default=480)
+    parser.add_argument("--budget-s", type=float, default=480, help="no run starts after this many seconds")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
+    parser.add_argument("--keep-runs", action="store_true", help="keep each run's logs (not its checkpoint)")
+    parser.add_argument("--verdict", default="paper:fp32", help="ANALYSED:CONTROL settings of the reproduction rule")
     args = parser.parse_args()
+    unknown = [s for s in args.settings.split(",") if s not in SETTINGS]
+    if unknown:
+        parser.error(f"--settings: unknown {unknown}; expected names from {list(SETTINGS)}")
     data_dir = args.out / "data"
     ensure_embedded(data_dir)
     cells = [c.split(",") if c else [] for c in args.grid.split(";")]
-    started = time.time()
+    deadline = time.time() + args.budget_s
     results = {"command": "python scripts/sweep.py " + shlex.join(sys.argv[1:]), "runs": []}
     # seeds outermost within a cell: a budget cut then leaves every setting with the same seeds
-    plan = [(cell, setting, seed) for cell in cells for seed in args.seeds.split(",")
+    plan = [(cell, setting, int(seed)) for cell in cells for seed in args.seeds.split(",")
             for setting in args.settings.split(",")]
-    for cell, setting, seed in plan:
-        if time.time() - started > args.budget_s:
-            results["stopped_early"] = f"budget of {args.budget_s} s reached"
-            break
-        overrides = [*args.overrides, *cell, *SETTINGS[setting], f"run.seed={seed}",
-                     f"data.data_dir={data_dir}", "run.progress=false", "run.checkpoint_interval=0"]
-        cfg = load_config(args.config, overrides)
-        run_dir = args.out / "runs" / f"{len(results['runs']):03d}"
-        t0 = time.time()
-        row = {"cell": cell, "setting": setting, "seed": int(seed)}
-        try:
-            train(cfg, run_dir)
-        except Exception as error:  # one broken setting must not lose the rest of the sweep
-            row.update(error=f"{type(error).__name__}: {str(error)[:300]}", wall_s=time.time() - t0)
-            results["runs"].append(row)
-            print(f"{' '.join(cell):<30} {setting:<11} seed {seed}: ERROR {row['error']}", flush=True)
-            (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
-            continue
-        row.update(wall_s=time.time() - t0, **summarise(run_dir))
-        results["runs"].append(row)
-        print(f"{' '.join(cell):<30} {setting:<11} seed {seed}: best {row['best_loss']:.3f} final "
-              f"{row['final_loss']:.3f} failed={row['failed']} peakWq={row['peak_wq_spectral_norm']:.2f} "
-              f"({row['wall_s']:.0f}s)", flush=True)
+    tasks = [{"cell": cell, "setting": setting, "seed": seed, "config": args.config, "deadline": deadline,
+              "keep": args.keep_runs, "run_dir": str(args.out / "runs" / f"{i:03d}-{setting}-seed{seed}"),
+              "overrides": [*args.overrides, *cell, *SETTINGS[setting], f"run.seed={seed}", f"data.data_dir={data_dir}",
+                            "run.progress=false", "run.checkpoint_interval=0"]}
+             for i, (cell, setting, seed) in enumerate(plan)]
+    finished = {}
+    for index, row in run_all(run_one, tasks, args.jobs):
+        finished[index] = row
+        print(describe(row), flush=True)
+        results["runs"] = [finished[i] for i in sorted(finished)]  # in plan order, whatever finished first
         (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
-        shutil.rmtree(run_dir)
+    if any("skipped" in r for r in results["runs"]):
+        results["stopped_early"] = f"budget of {args.budget_s} s reached"
+        (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(verdicts(results["runs"], *args.verdict.split(":"))))
 
 
 if __name__ == "__main__":

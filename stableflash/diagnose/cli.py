@@ -86,7 +86,8 @@ def _isolate(args) -> int:
     from stableflash.diagnose.isolate import run_isolation
 
     table = run_isolation(args.config, args.out, experiments=args.experiments, replay=args.replay,
-                          checkpoint=args.from_checkpoint, layer=args.layer, overrides=args.overrides)
+                          checkpoint=args.from_checkpoint, layer=args.layer, overrides=args.overrides,
+                          jobs=args.jobs)
     print(table.to_markdown())
     return 0
 
@@ -149,6 +150,7 @@ def add_commands(sub) -> None:
     p.add_argument("--layer", type=int, default=0, help="the layer L of the per-layer and per-head experiments")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--jobs", type=int, default=1, help="experiments trained at once, each in its own process")
     p.set_defaults(func=_isolate)
 
     p = sub.add_parser("report", help="one HTML page of the figures and tables of run folders")

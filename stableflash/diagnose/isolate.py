@@ -24,6 +24,7 @@ from stableflash.diagnose.warnings import blowup_step
 from stableflash.train.checkpoint import save_checkpoint
 from stableflash.train.config import load_config
 from stableflash.train.demo import read_jsonl
+from stableflash.train.pool import run_all
 
 # name -> (what it changes, override builder taking (base precision, layer, heads))
 EXPERIMENTS = {
@@ -119,10 +120,31 @@ def _largest_wq_heads(cfg, checkpoint: Path | None, layer: int, count: int = 2) 
     return sorted(norms.topk(min(count, attn.n_head)).indices.tolist())
 
 
-def run_isolation(config: str | Path, out: str | Path, *, experiments: str = "all", replay: str | Path | None = None,
-                  checkpoint: str | Path | None = None, layer: int = 0, overrides: list[str] = ()) -> IsolationTable:
+def _run_experiment(task: dict) -> dict:
+    """Train one experiment in its folder (resuming it, or starting from the given checkpoint) and summarise it."""
     from stableflash.train.loop import train
 
+    run_dir, ckpt = Path(task["run_dir"]), task["checkpoint"]
+    resume = (run_dir / "checkpoint.pt").exists()
+    if not resume and ckpt is not None:
+        # the checkpoint's per-layer attention (kept for resuming after a monitor action) must not
+        # override the experiment's: drop it from the copy
+        run_dir.mkdir(parents=True, exist_ok=True)
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state.pop("attention", None)
+        save_checkpoint(run_dir, state)
+        resume = True
+    train(load_config(task["config"], task["overrides"]), run_dir, resume=resume, replay=task["replay"])
+    row = summarise(task["name"], run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(row, indent=1))
+    return row
+
+
+def run_isolation(config: str | Path, out: str | Path, *, experiments: str = "all", replay: str | Path | None = None,
+                  checkpoint: str | Path | None = None, layer: int = 0, overrides: list[str] = (),
+                  jobs: int = 1) -> IsolationTable:
+    """Run the experiments not yet summarised in `out` (`jobs` at once, each in its own process) and
+    write the table (isolation.json, isolation.md) in the order of `experiments`."""
     out = Path(out)
     names = select(experiments)
     base = load_config(config, list(overrides))
@@ -139,31 +161,26 @@ def run_isolation(config: str | Path, out: str | Path, *, experiments: str = "al
     heads = _largest_wq_heads(base, ckpt, layer)
     table = IsolationTable(config=str(config), replay=str(replay) if replay else None,
                            checkpoint=str(ckpt) if ckpt else None, layer=layer, heads=heads, rows=[])
+    rows, tasks = {}, []
     for name in names:
-        run_dir = out / name
-        summary = run_dir / "summary.json"
+        summary = out / name / "summary.json"
         if summary.exists():  # finished in an earlier call
-            table.rows.append(json.loads(summary.read_text()))
-            continue
-        if ckpt is not None and name in _CHANGES_PARAMETERS:
-            table.rows.append({"experiment": name, "skipped": "changes the parameter set; run it from scratch"})
-            continue
-        cfg = load_config(config, [*overrides, *EXPERIMENTS[name][1](base.attention.precision, layer, heads)])
-        resume = (run_dir / "checkpoint.pt").exists()
-        if not resume and ckpt is not None:
-            # the checkpoint's per-layer attention (kept for resuming after a monitor action) must not
-            # override the experiment's: drop it from the copy
-            run_dir.mkdir(parents=True, exist_ok=True)
-            state = torch.load(ckpt, map_location="cpu", weights_only=False)
-            state.pop("attention", None)
-            save_checkpoint(run_dir, state)
-            resume = True
-        train(cfg, run_dir, resume=resume, replay=replay)
-        row = summarise(name, run_dir)
-        summary.write_text(json.dumps(row, indent=1))
-        table.rows.append(row)
+            rows[name] = json.loads(summary.read_text())
+        elif ckpt is not None and name in _CHANGES_PARAMETERS:
+            rows[name] = {"experiment": name, "skipped": "changes the parameter set; run it from scratch"}
+        else:
+            tasks.append({"name": name, "run_dir": str(out / name), "config": str(config),
+                          "checkpoint": str(ckpt) if ckpt else None, "replay": str(replay) if replay else None,
+                          "overrides": [*overrides, *EXPERIMENTS[name][1](base.attention.precision, layer, heads)]})
+
+    def write():
+        table.rows = [rows[n] for n in names if n in rows]
         table.save(out / "isolation.json")
         (out / "isolation.md").write_text(table.to_markdown() + "\n")
-    table.save(out / "isolation.json")
-    (out / "isolation.md").write_text(table.to_markdown() + "\n")
+
+    out.mkdir(parents=True, exist_ok=True)
+    for index, row in run_all(_run_experiment, tasks, jobs):
+        rows[tasks[index]["name"]] = row
+        write()
+    write()
     return table

@@ -68,6 +68,17 @@ def test_isolation_runs_the_whole_list_and_resumes(base_run, tmp_path):
     assert mtimes == {n: (tmp_path / "iso" / n / "metrics.jsonl").stat().st_mtime_ns for n in EXPERIMENTS}
 
 
+def test_isolation_in_parallel_processes_matches_one_process(base_run, tmp_path):
+    run, overrides = base_run
+    names = "baseline,fp32,sfa"
+    here = run_isolation("tiny-cpu", tmp_path / "one", experiments=names, replay=run, overrides=overrides, layer=1)
+    spread = run_isolation("tiny-cpu", tmp_path / "two", experiments=names, replay=run, overrides=overrides, layer=1,
+                           jobs=3)
+    assert [r["experiment"] for r in spread.rows] == names.split(",")
+    for a, b in zip(here.rows, spread.rows):
+        assert b["final_loss"] == a["final_loss"], a["experiment"]
+
+
 def test_isolation_from_a_checkpoint(base_run, tmp_path):
     run, overrides = base_run
     table = run_isolation("tiny-cpu", tmp_path / "iso", experiments="baseline,fp32,qk-norm", checkpoint=run,
