@@ -20,7 +20,7 @@ import torch
 
 from stableflash.diagnose.record import Record
 from stableflash.diagnose.spectral import spectral_history
-from stableflash.diagnose.warnings import blowup_step
+from stableflash.diagnose.warnings import blowup_step, warmup_of
 from stableflash.train.checkpoint import save_checkpoint
 from stableflash.train.config import load_config
 from stableflash.train.demo import read_jsonl
@@ -64,9 +64,10 @@ def select(spec: str) -> list[str]:
 
 
 def summarise(name: str, run_dir: Path) -> dict:
-    """diverged?, step of divergence (first non-finite loss or loss >= best so far + 1.0), final loss, peaks."""
+    """diverged?, step of divergence (after the warm-up, the first non-finite loss or loss that stays >= best
+    so far + 1.0), final loss, peaks."""
     losses = [(m["step"], m["loss"]) for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
-    diverged_at = blowup_step(losses, 1.0)
+    diverged_at = blowup_step(losses, 1.0, after=warmup_of(run_dir))
     best = min((loss for step, loss in losses if diverged_at is None or step < diverged_at), default=math.inf)
     stops = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "stop"] \
         if (run_dir / "events.jsonl").exists() else []

@@ -28,21 +28,37 @@ class WarningReplay(Record):
     warnings: list
     """[{"step", "signal", ...}] as the monitor would have logged them."""
     blowup_step: int | None
-    """First step whose loss is non-finite or >= the best loss so far + `blowup_margin`."""
+    """First step after the warm-up whose loss is non-finite or stays >= the best loss so far + `blowup_margin`."""
     blowup_margin: float
     first_warning_step: int | None
     lead_steps: int | None
     """blowup_step - first warning at or before it (None without both)."""
 
 
-def blowup_step(losses: list[tuple[int, float]], margin: float = 1.0) -> int | None:
-    """The first step whose loss is non-finite or >= the best loss before it + `margin` (None: no blow-up)."""
+def blowup_step(losses: list[tuple[int, float]], margin: float = 1.0, *, after: int = 0, window: int = 10) -> int | None:
+    """The first step after `after` whose loss is non-finite, or from which `window` losses in a row
+    (fewer at the end of the run) all stay >= the best loss before it + `margin` (None: no blow-up).
+
+    The window and `after` (the warm-up) keep the one-step spikes of early training, which recover
+    at the next step, from counting as the failure the reproduction looks for."""
     best = math.inf
-    for step, loss in losses:
-        if not math.isfinite(loss) or loss >= best + margin:
-            return step
+    for i, (step, loss) in enumerate(losses):
+        if step > after:
+            if not math.isfinite(loss):
+                return step
+            ahead = [x for _, x in losses[i:i + window]]
+            if all(not math.isfinite(x) or x >= best + margin for x in ahead):
+                return step
         best = min(best, loss)
     return None
+
+
+def warmup_of(run_dir: Path) -> int:
+    """The run's warm-up steps (0 for a folder without its config.toml)."""
+    from stableflash.train.config import load_config
+
+    config = run_dir / "config.toml"
+    return load_config(config).optim.warmup_steps if config.exists() else 0
 
 
 def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, blowup_margin: float = 1.0) -> WarningReplay:
@@ -63,7 +79,7 @@ def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, bl
             warnings += monitor.logit_events(record["step"], layer, stats["max_score"])
             warnings += monitor.repeated_max_events(record["step"], layer, stats)
     warnings.sort(key=lambda e: e["step"])
-    blowup = blowup_step([(m["step"], m["loss"]) for m in metrics], blowup_margin)
+    blowup = blowup_step([(m["step"], m["loss"]) for m in metrics], blowup_margin, after=warmup_of(run_dir))
     before = [w["step"] for w in warnings if blowup is None or w["step"] <= blowup]
     first = before[0] if before else None
     return WarningReplay(run=str(run_dir), warnings=warnings, blowup_step=blowup, blowup_margin=blowup_margin,

@@ -94,3 +94,15 @@ def test_warning_replay_measures_the_lead_time(tmp_path):
     write(tmp_path / "healthy", [3.0 - 0.01 * i for i in range(50)], [1.0 + 0.01 * (i % 7) for i in range(50)])
     healthy = replay_warnings(tmp_path / "healthy")
     assert healthy.warnings == [] and healthy.blowup_step is None and healthy.lead_steps is None
+
+
+def test_a_blowup_is_sustained_and_after_the_warmup():
+    from stableflash.diagnose.warnings import blowup_step
+
+    losses = list(enumerate([5.5, 4.0, 3.4, 5.7, 3.3, 3.2] + [3.1] * 20 + [4.3] * 12))
+    assert blowup_step(losses) == 26  # the one-step spike at step 3 recovers at once
+    assert blowup_step(losses, window=1) == 3
+    assert blowup_step(losses[:30]) == 26  # fewer than `window` losses left: all of them count
+    assert blowup_step(losses, after=30) == 31  # best before step 31 is still 3.1
+    assert blowup_step([(0, 3.0), (1, 2.0), (2, math.nan), (3, 2.0)]) == 2
+    assert blowup_step([(0, 3.0), (1, math.inf)], after=5) is None
