@@ -57,6 +57,8 @@ SITES = {
     "dk": "dK accumulator",
     "dq": "dQ accumulator",
 }
+FORWARD_SITES = tuple(SITES)[:tuple(SITES).index("lse") + 1]
+BACKWARD_SITES = tuple(SITES)[len(FORWARD_SITES):]
 
 
 _BY_CACHE_KEY: dict[str, Precision] = {}
@@ -186,6 +188,15 @@ class Precision:
     def with_o_fp32(self) -> Precision:
         """O computed and saved in fp32 in the forward, so δ reads O_hp."""
         return self.replace(name=f"{self.name}+o32", pv="fp32", acc="fp32", row_sum="fp32", o_saved="fp32")
+
+    def with_pass_of(self, which: Literal["forward", "backward"], policy: str | Precision) -> Precision:
+        """One pass's sites (FORWARD_SITES or BACKWARD_SITES) in the formats of `policy`: which pass's
+        roundings matter (tiles, δ formula and rounding mode stay this policy's)."""
+        sites = {"forward": FORWARD_SITES, "backward": BACKWARD_SITES}.get(which)
+        if sites is None:
+            raise ValueError(f"which: expected 'forward' or 'backward', got {which!r}")
+        other = resolve(policy)
+        return self.replace(name=f"{self.name}+{which}={other.name}", **{site: getattr(other, site) for site in sites})
 
     def with_heads(self, heads, policy: str | Precision) -> Precision:
         """Compute the given head indices with `policy` (e.g. per-head fp32)."""

@@ -45,6 +45,9 @@ class LayerAttention:
             policy = policy.with_pv_fp32()
         if cfg.o_fp32:
             policy = policy.with_o_fp32()
+        for which in ("forward", "backward"):
+            if getattr(cfg, f"{which}_precision"):
+                policy = policy.with_pass_of(which, getattr(cfg, f"{which}_precision"))
         if cfg.heads:
             policy = policy.with_heads(set(cfg.heads), cfg.head_precision)
         stabilize = {
@@ -55,7 +58,8 @@ class LayerAttention:
         }[cfg.stabilize]
         backend = cfg.backend
         if backend in ("sdpa", "math") and (stabilize is not None or cfg.precision != "fa2" or cfg.heads
-                                             or not cfg.tiling or cfg.delta != "do_o" or cfg.pv_fp32 or cfg.o_fp32):
+                                             or not cfg.tiling or cfg.delta != "do_o" or cfg.pv_fp32 or cfg.o_fp32
+                                             or cfg.forward_precision or cfg.backward_precision):
             raise ValueError(f"attention: backend {backend!r} has fixed numerics; precision/stabilize/knobs need "
                              "backend 'reference', 'triton' or 'auto'")
         return cls(backend, policy, stabilize)

@@ -83,6 +83,10 @@ class AttentionConfig:
     """do_o | dp_p | do_o_recomputed."""
     pv_fp32: bool = False
     o_fp32: bool = False
+    forward_precision: str = ""
+    """A preset whose formats the forward's sites take ("": `precision`'s); isolates the passes."""
+    backward_precision: str = ""
+    """A preset whose formats the backward's sites take ("": `precision`'s)."""
     heads: tuple[int, ...] = ()
     """Head indices computed with `head_precision`."""
     head_precision: str = "fp32"
@@ -97,6 +101,9 @@ class AttentionConfig:
             raise ValueError(f"attention.backend: expected one of {BACKENDS}, got {self.backend!r}")
         if self.precision not in PRESETS:
             raise ValueError(f"attention.precision: expected one of {sorted(PRESETS)}, got {self.precision!r}")
+        for name in ("forward_precision", "backward_precision"):
+            if getattr(self, name) not in ("", *PRESETS):
+                raise ValueError(f"attention.{name}: expected '' or one of {sorted(PRESETS)}, got {getattr(self, name)!r}")
         if self.head_precision not in PRESETS:
             raise ValueError(f"attention.head_precision: expected one of {sorted(PRESETS)}, got {self.head_precision!r}")
         if self.stabilize not in ("none", "sfa", "sfa-unbounded", "clamp"):

@@ -18,9 +18,19 @@ def test_per_layer_and_per_head_attention():
     assert described == ["sdpa:fa2", "reference:paper+heads[1]+SFA"]
 
 
+def test_one_pass_in_other_numerics_from_the_config():
+    model, _ = _model("attention.precision=bf16", "attention.backward_precision=fa2")
+    policy = model.attentions[0].attention.precision
+    assert policy.name == "bf16+backward=fa2" and (policy.qk, policy.dp, policy.ds_operand) == ("bf16", "fp32", "input")
+    with pytest.raises(ValueError, match="attention.forward_precision: expected '' or one of"):
+        _model("attention.forward_precision=fp31")
+
+
 def test_sdpa_with_numerics_knobs_is_refused():
     with pytest.raises(ValueError, match="backend 'sdpa' has fixed numerics"):
         _model("attention.backend=sdpa", "attention.precision=paper")
+    with pytest.raises(ValueError, match="backend 'sdpa' has fixed numerics"):
+        _model("attention.backend=sdpa", "attention.forward_precision=fp32")
 
 
 @pytest.mark.parametrize("option", ["model.qk_norm=true", "model.gated_attention=true", "model.qk_clip=0.5"])

@@ -1,0 +1,67 @@
+"""One isolation table over several seeds: `stableflash isolate` run once per seed into ROOT/seed*/.
+
+Re-summarises every experiment from its logs (so a change of the divergence rule applies to old
+runs), and writes ROOT/isolation-seeds.json (rows plus each run's loss curve, what
+`scripts/plot_results.py` draws) and ROOT/isolation-seeds.md (the table RESULTS.md quotes).
+
+    python scripts/isolation_table.py results/isolation-bf16-lr3e-2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from stableflash.diagnose.isolate import EXPERIMENTS, summarise
+from stableflash.train.demo import read_jsonl
+
+
+def combine(root: Path) -> dict:
+    seeds = sorted(root.glob("seed*"), key=lambda p: int(p.name[4:]))
+    if not seeds:
+        raise FileNotFoundError(f"ROOT: no seed*/ folders in {root}")
+    rows = []
+    for name in EXPERIMENTS:
+        runs = [(int(s.name[4:]), s / name) for s in seeds if (s / name / "metrics.jsonl").exists()]
+        if not runs:
+            continue
+        per_seed = []
+        for seed, run in runs:
+            losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
+            stride = max(1, len(losses) // 150)
+            per_seed.append({"seed": seed, **summarise(name, run), "loss_curve": {"stride": stride, "values": losses[::stride]}})
+        rows.append({"experiment": name, "what": EXPERIMENTS[name][0], "runs": per_seed})
+    return {"root": str(root), "seeds": [int(s.name[4:]) for s in seeds], "rows": rows}
+
+
+def to_markdown(table: dict) -> str:
+    fp32 = next((r for r in table["rows"] if r["experiment"] == "fp32"), None)
+    fp32_mean = statistics.fmean(run["final_loss"] for run in fp32["runs"]) if fp32 else None
+    lines = ["| experiment | what changes | diverged | final loss per seed | mean − fp32 | peak W_Q σ₁ (median) | "
+             "repeated-max rows (median of peaks) |", "|---|---|---|---|---|---|---|"]
+    for row in table["rows"]:
+        runs = row["runs"]
+        diverged = [f"s{r['seed']}@{r['divergence_step']}" for r in runs if r["diverged"]]
+        finals = " / ".join(f"{r['final_loss']:.2f}" for r in runs)
+        gap = "-" if fp32_mean is None else f"{statistics.fmean(r['final_loss'] for r in runs) - fp32_mean:+.2f}"
+        lines.append(f"| {row['experiment']} | {row['what']} | {len(diverged)}/{len(runs)} {' '.join(diverged)} | "
+                     f"{finals} | {gap} | {statistics.median(r['peak_wq_spectral_norm'] for r in runs):.0f} | "
+                     f"{statistics.median(r['peak_repeated_max_share'] for r in runs):.0%} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", type=Path)
+    args = parser.parse_args()
+    table = combine(args.root)
+    (args.root / "isolation-seeds.json").write_text(json.dumps(table, indent=1))
+    markdown = to_markdown(table)
+    (args.root / "isolation-seeds.md").write_text(markdown + "\n")
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
