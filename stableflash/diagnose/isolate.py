@@ -47,6 +47,8 @@ EXPERIMENTS = {
                      lambda p, layer, heads: ["attention.forward_precision=fp32"]),
     "backward-fp32": ("the backward in fp32, the forward as it is",
                       lambda p, layer, heads: ["attention.backward_precision=fp32"]),
+    "scores-fp32": ("QKᵀ, the scores and their row max in fp32, the rest as it is (no ties from rounding S)",
+                    lambda p, layer, heads: [f"attention.sites.{s}=fp32" for s in ("qk", "scores", "row_max")]),
     "heads-fp32": ("fp32 for layer L's heads with the largest W_Q spectral norm",
                    lambda p, layer, heads: [f"attention.layers.{layer}.heads=[{','.join(map(str, heads))}]",
                                             f"attention.layers.{layer}.head_precision=fp32"]),

@@ -48,6 +48,8 @@ class LayerAttention:
         for which in ("forward", "backward"):
             if getattr(cfg, f"{which}_precision"):
                 policy = policy.with_pass_of(which, getattr(cfg, f"{which}_precision"))
+        if cfg.sites:
+            policy = policy.replace(name=policy.name + "+" + ",".join(f"{k}={v}" for k, v in cfg.sites.items()), **cfg.sites)
         if cfg.heads:
             policy = policy.with_heads(set(cfg.heads), cfg.head_precision)
         stabilize = {
@@ -59,7 +61,7 @@ class LayerAttention:
         backend = cfg.backend
         if backend in ("sdpa", "math") and (stabilize is not None or cfg.precision != "fa2" or cfg.heads
                                              or not cfg.tiling or cfg.delta != "do_o" or cfg.pv_fp32 or cfg.o_fp32
-                                             or cfg.forward_precision or cfg.backward_precision):
+                                             or cfg.forward_precision or cfg.backward_precision or cfg.sites):
             raise ValueError(f"attention: backend {backend!r} has fixed numerics; precision/stabilize/knobs need "
                              "backend 'reference', 'triton' or 'auto'")
         return cls(backend, policy, stabilize)

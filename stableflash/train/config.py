@@ -87,6 +87,8 @@ class AttentionConfig:
     """A preset whose formats the forward's sites take ("": `precision`'s); isolates the passes."""
     backward_precision: str = ""
     """A preset whose formats the backward's sites take ("": `precision`'s)."""
+    sites: dict = field(default_factory=dict)
+    """Site formats set by hand, applied last: {"qk": "fp32", "scores": "fp32"} (`--set attention.sites.qk=fp32`)."""
     heads: tuple[int, ...] = ()
     """Head indices computed with `head_precision`."""
     head_precision: str = "fp32"
@@ -95,7 +97,8 @@ class AttentionConfig:
 
     def __post_init__(self):
         from stableflash.attention.api import BACKENDS
-        from stableflash.attention.precision import DELTA_FORMULAS, PRESETS
+        from stableflash.attention.precision import DELTA_FORMULAS, PRESETS, SITES
+        from stableflash.numerics.formats import get_format
 
         if self.backend not in BACKENDS:
             raise ValueError(f"attention.backend: expected one of {BACKENDS}, got {self.backend!r}")
@@ -104,6 +107,15 @@ class AttentionConfig:
         for name in ("forward_precision", "backward_precision"):
             if getattr(self, name) not in ("", *PRESETS):
                 raise ValueError(f"attention.{name}: expected '' or one of {sorted(PRESETS)}, got {getattr(self, name)!r}")
+        for site, fmt in self.sites.items():
+            if site not in SITES:
+                raise ValueError(f"attention.sites: unknown site {site!r}; sites: {list(SITES)}")
+            if fmt != "input":
+                try:
+                    get_format(fmt)
+                except ValueError:
+                    raise ValueError(f"attention.sites.{site}: expected 'input' or a format name like 'fp32', "
+                                     f"got {fmt!r}") from None
         if self.head_precision not in PRESETS:
             raise ValueError(f"attention.head_precision: expected one of {sorted(PRESETS)}, got {self.head_precision!r}")
         if self.stabilize not in ("none", "sfa", "sfa-unbounded", "clamp"):
@@ -311,6 +323,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                       if parts[0] in {f.name for f in dataclasses.fields(cls)}]
             if len(owners) == 1:
                 parts = [owners[0], parts[0]]
+        if parts[0] == "attention" and len(parts) == 3 and parts[1] == "sites":
+            data.setdefault("attention", {}).setdefault("sites", {})[parts[2]] = value.strip()
+            continue
         if parts[0] == "attention" and len(parts) >= 4 and parts[1] == "layers":
             layer, sub = parts[2], parts[3]
             ann = typing.get_type_hints(AttentionConfig).get(sub)

@@ -90,7 +90,8 @@ def test_fa2_with_the_dp_p_delta_within_twice_the_reference_error(causal):
         assert _max_err(a, e) <= 2 * _max_err(r, e) + 1e-5, (name, _max_err(a, e), _max_err(r, e))
 
 
-EMULATED = ["paper", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp", "bf16+fwdfa2", "bf16+bwdfa2"]
+EMULATED = ["paper", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp", "bf16+fwdfa2", "bf16+bwdfa2",
+            "bf16+scores32"]
 
 
 def _policy(name):
@@ -98,7 +99,8 @@ def _policy(name):
     policy = resolve(base)
     return {"": policy, "pv32": policy.with_pv_fp32(), "o32": policy.with_o_fp32(),
             "notiling": policy.tiling_off(), "dpp": policy.with_delta("dp_p"),
-            "fwdfa2": policy.with_pass_of("forward", "fa2"), "bwdfa2": policy.with_pass_of("backward", "fa2")}[knob]
+            "fwdfa2": policy.with_pass_of("forward", "fa2"), "bwdfa2": policy.with_pass_of("backward", "fa2"),
+            "scores32": policy.replace(qk="fp32", scores="fp32", row_max="fp32")}[knob]
 
 
 @pytest.mark.parametrize("shape", SHAPES[-2:])

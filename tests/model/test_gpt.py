@@ -26,6 +26,16 @@ def test_one_pass_in_other_numerics_from_the_config():
         _model("attention.forward_precision=fp31")
 
 
+def test_sites_set_by_hand_from_the_config():
+    model, cfg = _model("attention.precision=bf16", "attention.sites.qk=fp32", "attention.sites.scores=fp32")
+    policy = model.attentions[1].attention.precision
+    assert (policy.qk, policy.scores, policy.row_max) == ("fp32", "fp32", "bf16") and "qk=fp32" in policy.name
+    with pytest.raises(ValueError, match="attention.sites: unknown site 'qkv'"):
+        _model("attention.sites.qkv=fp32")
+    with pytest.raises(ValueError, match="attention.sites.qk: expected 'input' or a format name"):
+        _model("attention.sites.qk=fp33")
+
+
 def test_sdpa_with_numerics_knobs_is_refused():
     with pytest.raises(ValueError, match="backend 'sdpa' has fixed numerics"):
         _model("attention.backend=sdpa", "attention.precision=paper")
