@@ -1,10 +1,11 @@
 """One isolation table over several seeds: `stableflash isolate` run once per seed into ROOT/seed*/.
 
-Re-summarises every experiment from its logs (so a change of the divergence rule applies to old
-runs), and writes ROOT/isolation-seeds.json (rows plus each run's loss curve, what
+Re-summarises every experiment from its logs, so a change of the divergence rule applies to old
+runs (unpack the committed runs.tar.xz into ROOT first). Writes ROOT/isolation-seeds.json (rows
+plus each run's loss curve, repeated-max share and per-head W_Q spectral norms: what
 `scripts/plot_results.py` draws) and ROOT/isolation-seeds.md (the table RESULTS.md quotes).
 
-    python scripts/isolation_table.py results/isolation-bf16-lr3e-2
+    python scripts/isolation_table.py results/isolation-bf16-lr3e-2 --layer 1
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ import statistics
 from pathlib import Path
 
 from stableflash.diagnose.isolate import EXPERIMENTS, summarise
+from stableflash.diagnose.spectral import spectral_history
 from stableflash.train.demo import read_jsonl
 
 
-def combine(root: Path) -> dict:
+def _rounded(nested):
+    return [_rounded(x) for x in nested] if isinstance(nested, list) else round(nested, 3)
+
+
+def combine(root: Path, layer: int) -> dict:
     seeds = sorted(root.glob("seed*"), key=lambda p: int(p.name[4:]))
     if not seeds:
         raise FileNotFoundError(f"ROOT: no seed*/ folders in {root}")
@@ -31,9 +37,12 @@ def combine(root: Path) -> dict:
         for seed, run in runs:
             losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
             stride = max(1, len(losses) // 150)
-            per_seed.append({"seed": seed, **summarise(name, run), "loss_curve": {"stride": stride, "values": losses[::stride]}})
+            history = spectral_history(run)
+            per_seed.append({"seed": seed, **summarise(name, run), "loss_curve": {"stride": stride, "values": losses[::stride]},
+                             "monitor": {"steps": history.steps, "repeated_max_share": history.repeated_max_share,
+                                         "wq_spectral_norm": _rounded(history.norms["q"])}})
         rows.append({"experiment": name, "what": EXPERIMENTS[name][0], "runs": per_seed})
-    return {"root": str(root), "seeds": [int(s.name[4:]) for s in seeds], "rows": rows}
+    return {"root": str(root), "seeds": [int(s.name[4:]) for s in seeds], "layer": layer, "rows": rows}
 
 
 def to_markdown(table: dict) -> str:
@@ -55,9 +64,10 @@ def to_markdown(table: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path)
+    parser.add_argument("--layer", type=int, required=True, help="the layer L the isolation ran with (`isolate --layer`)")
     args = parser.parse_args()
-    table = combine(args.root)
-    (args.root / "isolation-seeds.json").write_text(json.dumps(table, indent=1))
+    table = combine(args.root, args.layer)
+    (args.root / "isolation-seeds.json").write_text(json.dumps(table))
     markdown = to_markdown(table)
     (args.root / "isolation-seeds.md").write_text(markdown + "\n")
     print(markdown)

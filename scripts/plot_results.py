@@ -132,6 +132,57 @@ def plot_multi_gpu(folder: Path) -> Path:
     return _save(fig, folder / "multi-gpu.png")
 
 
+ISOLATION_CURVES = {"baseline": "tab:orange", "fp32": "tab:blue", "forward-fa2": "tab:green",
+                    "backward-fa2": "tab:purple", "sfa": "tab:brown", "qk-clip": "tab:gray"}
+
+
+def plot_isolation(path: Path) -> list[Path]:
+    """The isolation table over seeds: final loss per experiment (a dot per seed); loss curves, repeated-max
+    share and layer L's per-head W_Q spectral norms of the experiments that tell the story."""
+    table = json.loads(path.read_text())
+    rows = table["rows"]
+    fp32 = [r["final_loss"] for row in rows if row["experiment"] == "fp32" for r in row["runs"]]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for i, row in enumerate(rows):
+        finals = [min(r["final_loss"], 6.0) for r in row["runs"]]
+        ax.scatter([i] * len(finals), finals, s=18, color=["tab:red" if r["diverged"] else "k" for r in row["runs"]])
+    if fp32:
+        ax.axhspan(min(fp32), max(fp32), color="tab:blue", alpha=0.2, label="fp32 attention (all seeds)")
+    ax.set_xticks(range(len(rows)), [row["experiment"] for row in rows], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("final training loss (capped at 6)")
+    ax.set_title(f"{path.parent.name}: one dot per seed, red: diverged by the rule")
+    ax.legend(fontsize=8)
+    outs = [_save(fig, path.with_suffix(".png"))]
+
+    by_name = {row["experiment"]: row for row in rows}
+    shown = [name for name in ISOLATION_CURVES if name in by_name]
+    layer = table["layer"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.2))
+    for name in shown:
+        for k, run in enumerate(by_name[name]["runs"]):
+            curve, stride = run["loss_curve"]["values"], run["loss_curve"]["stride"]
+            label = name if k == 0 else None
+            axes[0].plot([i * stride for i in range(len(curve))], curve, color=ISOLATION_CURVES[name], lw=0.8,
+                         alpha=0.7, label=label)
+            m = run["monitor"]
+            axes[1].plot(m["steps"], m["repeated_max_share"], color=ISOLATION_CURVES[name], lw=0.8, alpha=0.7,
+                         label=label)
+            if run["seed"] == 0:
+                heads = list(zip(*(step[layer] for step in m["wq_spectral_norm"])))
+                for h, norms in enumerate(heads):
+                    axes[2].plot(m["steps"], norms, color=ISOLATION_CURVES[name], lw=0.8,
+                                 label=name if h == 0 else None)
+    axes[0].set_ylim(2.0, 5.0)
+    axes[0].set_ylabel("training loss")
+    axes[1].set_ylabel("share of query rows with a repeated maximum")
+    axes[2].set_ylabel(f"W_Q spectral norm per head, layer {layer} (seed 0)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    outs.append(_save(fig, path.with_name(path.stem + "-curves.png")))
+    return outs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -142,6 +193,8 @@ def main():
         print(plot_attention_bench(path))
     for folder in sorted(p.parent for p in args.results.glob("multi-gpu-*/allreduce-*.json")):
         print(plot_multi_gpu(folder))
+    for path in sorted(args.results.glob("isolation-*/isolation-seeds.json")):
+        print(*plot_isolation(path), sep="\n")
     for run in sorted(p.parent for p in args.results.glob("probe-*/*/metrics.jsonl")):
         print(plot_probe_run(run))
 

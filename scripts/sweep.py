@@ -35,12 +35,14 @@ SETTINGS = {
     "bf16": ["attention.backend=triton", "attention.precision=bf16", "attention.tiling=false"],
     "fa2": ["attention.backend=triton", "attention.precision=fa2"],
     "fp32": ["attention.backend=reference", "attention.precision=fp32", "attention.tiling=false"],
-    "sdpa": ["attention.backend=sdpa", "attention.precision=fa2"],
+    "sdpa": ["attention.backend=sdpa", "attention.precision=fa2", "attention.tiling=true"],
     "paper-sfa": ["attention.backend=triton", "attention.precision=paper", "attention.tiling=false",
                   "attention.stabilize=sfa"],
     "paper-pv32": ["attention.backend=triton", "attention.precision=paper", "attention.tiling=false",
                    "attention.pv_fp32=true"],
     "ref-paper": ["attention.backend=reference", "attention.precision=paper", "attention.tiling=false"],
+    "bf16-fwd-fa2": ["attention.backend=triton", "attention.precision=bf16", "attention.tiling=false",
+                     "attention.forward_precision=fa2"],
 }
 
 
@@ -98,16 +100,21 @@ def verdicts(runs: list[dict], analysed: str, control: str) -> list[str]:
     lines = []
     for cell in dict.fromkeys(tuple(r["cell"]) for r in runs):
         rows = [r for r in runs if tuple(r["cell"]) == cell and "failed" in r]
-        counts = {}
+        counts, finals = {}, {}
         for r in rows:
             failed, total = counts.get(r["setting"], (0, 0))
             counts[r["setting"]] = (failed + r["failed"], total + 1)
-        parts = [f"{setting} {failed}/{total}" for setting, (failed, total) in counts.items()]
+            finals.setdefault(r["setting"], []).append(r["final_loss"])
+        parts = [f"{setting} {failed}/{total} (mean final {sum(finals[setting]) / total:.2f})"
+                 for setting, (failed, total) in counts.items()]
         lines.append(f"{' '.join(cell) or '(base)'}: failed " + ", ".join(parts))
         if analysed in counts and control in counts:
             (a_failed, a_total), (c_failed, c_total) = counts[analysed], counts[control]
-            met = a_total >= 3 and 3 * a_failed >= 2 * a_total and c_total >= 3 and c_failed == 0
-            lines.append(f"  reproduction rule ({analysed} fails in >= 2/3, {control} in 0/3): {'MET' if met else 'not met'}")
+            if min(a_total, c_total) < 3:
+                verdict = "not decided (fewer than 3 seeds)"
+            else:
+                verdict = "MET" if 3 * a_failed >= 2 * a_total and c_failed == 0 else "not met"
+            lines.append(f"  reproduction rule ({analysed} fails in >= 2/3, {control} in 0/3): {verdict}")
     return lines
 
 

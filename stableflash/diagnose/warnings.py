@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stableflash.diagnose.record import Record
-from stableflash.train.config import MonitorConfig
+from stableflash.train.config import MonitorConfig, load_config
 from stableflash.train.demo import read_jsonl
 from stableflash.train.monitor import Monitor
 
@@ -55,15 +55,15 @@ def blowup_step(losses: list[tuple[int, float]], margin: float = 1.0, *, after: 
 
 def warmup_of(run_dir: Path) -> int:
     """The run's warm-up steps (0 for a folder without its config.toml)."""
-    from stableflash.train.config import load_config
-
     config = run_dir / "config.toml"
     return load_config(config).optim.warmup_steps if config.exists() else 0
 
 
 def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, blowup_margin: float = 1.0) -> WarningReplay:
+    """The monitor's rules (`cfg`, else the run's own monitor config, else the defaults) replayed over the logs."""
     run_dir = Path(run_dir)
-    cfg = cfg or MonitorConfig()
+    if cfg is None:
+        cfg = load_config(run_dir / "config.toml").monitor if (run_dir / "config.toml").exists() else MonitorConfig()
     metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     monitor_log = read_jsonl(run_dir / "monitor.jsonl") if (run_dir / "monitor.jsonl").exists() else []
     monitor = Monitor(cfg, _Shape(1), run_dir, enabled=False)

@@ -1,0 +1,96 @@
+"""The early-warning monitor replayed over many finished runs: lead time before each blow-up, and
+how often it warns on runs that never blow up (false positives).
+
+Every folder under the given roots that holds a metrics.jsonl is one run (unpack the committed
+runs.tar.xz archives first). A blow-up is `blowup_step`'s: after the warm-up, a non-finite loss or
+one that stays >= the best so far + 1.0 for 10 steps. Warnings during the warm-up are counted apart:
+the logits and the gradient norm grow fastest there on every run.
+
+    python scripts/warning_study.py results/sweep-06/runs results/sweep-07/runs results/isolation-bf16-lr3e-2 \\
+        --out results/warning-study.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+
+from stableflash.diagnose.warnings import replay_warnings, warmup_of
+from stableflash.train.config import load_config
+
+# each signal alone, at its default threshold and stricter ones: can any threshold tell the runs apart?
+CALIBRATION = [("max_logit", {"logit_warn_factor": f}) for f in (3, 10, 30)] + \
+              [("grad_norm", {"grad_warn_factor": f}) for f in (10, 30, 100)] + \
+              [("repeated_max", {"warn_factor": f, "warn_min_fraction": m}) for f, m in ((3, 0.05), (3, 0.2), (5, 0.3))]
+
+
+def calibrate(runs: list[Path]) -> list[dict]:
+    """Per signal and threshold: failing runs it warned before their blow-up (after the warm-up), healthy
+    runs it warned at all after the warm-up, and the median lead."""
+    rows = []
+    for signal, changes in CALIBRATION:
+        caught, leads, false_alarms, failing, healthy = 0, [], 0, 0, 0
+        for run in runs:
+            replay = replay_warnings(run, dataclasses.replace(load_config(run / "config.toml").monitor, **changes))
+            steps = [w["step"] for w in replay.warnings if w["step"] > warmup_of(run) and w["signal"] == signal]
+            if replay.blowup_step is None:
+                healthy += 1
+                false_alarms += bool(steps)
+                continue
+            failing += 1
+            early = [s for s in steps if s <= replay.blowup_step]
+            if early:
+                caught += 1
+                leads.append(replay.blowup_step - early[0])
+        rows.append({"signal": signal, **changes, "caught": f"{caught}/{failing}", "false_alarms": f"{false_alarms}/{healthy}",
+                     "lead_steps_median": statistics.median(leads) if leads else None})
+    return rows
+
+
+def study(roots: list[Path]) -> dict:
+    runs = sorted({p.parent for root in roots for p in root.rglob("metrics.jsonl")})
+    if not runs:
+        raise FileNotFoundError(f"roots: no run folders (with metrics.jsonl) under {[str(r) for r in roots]}")
+    rows = []
+    for run in runs:
+        replay = replay_warnings(run)
+        warmup = warmup_of(run)
+        after = [w for w in replay.warnings if w["step"] > warmup]
+        rows.append({"run": str(run), "warmup": warmup, "blowup_step": replay.blowup_step,
+                     "warnings_in_warmup": len(replay.warnings) - len(after), "warnings_after_warmup": len(after),
+                     "signals_after_warmup": dict(Counter(w["signal"] for w in after)),
+                     "first_warning_after_warmup": after[0]["step"] if after else None,
+                     "lead_steps": (replay.blowup_step - after[0]["step"]) if replay.blowup_step is not None and after
+                     and after[0]["step"] <= replay.blowup_step else None})
+    failing = [r for r in rows if r["blowup_step"] is not None]
+    healthy = [r for r in rows if r["blowup_step"] is None]
+    leads = [r["lead_steps"] for r in failing if r["lead_steps"] is not None]
+    return {"runs": len(rows), "blowups": len(failing), "warned_before_blowup": len(leads),
+            "lead_steps_median": statistics.median(leads) if leads else None,
+            "lead_steps_range": [min(leads), max(leads)] if leads else None,
+            "healthy": len(healthy), "healthy_warned_after_warmup": sum(r["warnings_after_warmup"] > 0 for r in healthy),
+            "healthy_signals": dict(sum((Counter(r["signals_after_warmup"]) for r in healthy), Counter())),
+            "calibration": calibrate(runs), "rows": rows}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("roots", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    result = study(args.roots)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"{result['runs']} runs; {result['blowups']} blow-ups, {result['warned_before_blowup']} warned before "
+          f"(after the warm-up); lead steps median {result['lead_steps_median']}, range {result['lead_steps_range']}")
+    print(f"{result['healthy']} healthy runs; {result['healthy_warned_after_warmup']} warned after the warm-up "
+          f"(false positives); their signals: {result['healthy_signals']}")
+    for row in result["calibration"]:
+        print(f"  {row}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""The research scripts run end to end on the CPU (tiny config, a few steps)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sweep_runs_in_parallel_and_prints_the_verdict(tmp_path):
+    out = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sweep.py"), "--out", str(out), "--config", "tiny-cpu",
+         "--settings", "ref-paper,fp32", "--seeds", "0,1", "--jobs", "2", "--keep-runs", "--verdict", "ref-paper:fp32",
+         "--set", "run.max_steps=3", "--set", "monitor.interval=1", "--set", "run.eval_interval=0"],
+        capture_output=True, text=True, timeout=300, check=True)
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    assert [(r["setting"], r["seed"]) for r in runs] == [("ref-paper", 0), ("fp32", 0), ("ref-paper", 1), ("fp32", 1)]
+    assert all(r["steps"] == 3 and not r["failed"] for r in runs)
+    assert "failed ref-paper 0/2" in result.stdout
+    assert "reproduction rule (ref-paper fails in >= 2/3, fp32 in 0/3): not decided (fewer than 3 seeds)" in result.stdout
+    kept = sorted(p.name for p in (out / "runs").iterdir())
+    assert kept == ["000-ref-paper-seed0", "001-fp32-seed0", "002-ref-paper-seed1", "003-fp32-seed1"]
+    assert not (out / "runs" / kept[0] / "checkpoint.pt").exists() and (out / "runs" / kept[0] / "metrics.jsonl").exists()
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--out", str(tmp_path / "x"),
+                          "--settings", "warp"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--settings: unknown ['warp']" in bad.stderr
