@@ -107,6 +107,8 @@ class AttentionConfig:
         for name in ("forward_precision", "backward_precision"):
             if getattr(self, name) not in ("", *PRESETS):
                 raise ValueError(f"attention.{name}: expected '' or one of {sorted(PRESETS)}, got {getattr(self, name)!r}")
+        if not isinstance(self.sites, dict):
+            raise ValueError(f"attention.sites: expected a table of site = format, got {self.sites!r}")
         for site, fmt in self.sites.items():
             if site not in SITES:
                 raise ValueError(f"attention.sites: unknown site {site!r}; sites: {list(SITES)}")
@@ -331,7 +333,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             ann = typing.get_type_hints(AttentionConfig).get(sub)
             if ann is None:
                 raise ValueError(f"--set {key}: unknown key {sub!r}; valid keys: {valid_keys()}")
-            data.setdefault("attention", {}).setdefault("layers", {}).setdefault(layer, {})[sub] = _coerce(value, ann)
+            try:
+                data.setdefault("attention", {}).setdefault("layers", {}).setdefault(layer, {})[sub] = _coerce(value, ann)
+            except ValueError as error:
+                raise ValueError(f"--set {key}: {error}") from None
             continue
         if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
             raise ValueError(f"--set {key}: unknown key; valid keys: {valid_keys()}")

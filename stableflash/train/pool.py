@@ -21,7 +21,7 @@ def _one_thread() -> None:
 
 
 def run_all(fn: Callable[[Any], Any], tasks: Sequence[Any], jobs: int = 1) -> Iterator[tuple[int, Any]]:
-    """Yield (index of the task, fn(task)) as each finishes; `jobs` <= 1 runs them here, in order.
+    """Yield (index of the task, fn(task)) as each finishes; `jobs` = 1 runs them here, in order.
 
     `fn` must be a module-level function (it is pickled by name); an exception it raises is
     raised here, so a caller that must not lose the other runs catches inside `fn`."""

@@ -34,6 +34,12 @@ def test_sites_set_by_hand_from_the_config():
         _model("attention.sites.qkv=fp32")
     with pytest.raises(ValueError, match="attention.sites.qk: expected 'input' or a format name"):
         _model("attention.sites.qk=fp33")
+    with pytest.raises(ValueError, match="attention.sites: expected a table"):
+        _model("attention.sites=5")
+    with pytest.raises(ValueError, match="--set attention.layers.1.sites: Expecting value"):
+        _model("attention.layers.1.sites=fp32")
+    layered, _ = _model('attention.layers.1.sites={"qk": "fp32"}')
+    assert [a.attention.precision.qk for a in layered.attentions] == ["bf16", "fp32"]
 
 
 def test_sdpa_with_numerics_knobs_is_refused():
