@@ -83,3 +83,29 @@ def bias_attribution(q, k, v, dout, policy: str | Precision = "paper", *, high: 
                                                                  "delta": asdict(Estimate.of(e_d))},
                            sites=rows, remainder={"o": asdict(Estimate.of(rem_o)), "delta": asdict(Estimate.of(rem_d))},
                            groups=group_rows)
+
+
+def bias_at_head(cfg, checkpoint, *, layer: int, head: int | None = None, policy: str | Precision = "paper",
+                 high: str = "fp32", replay=None) -> tuple[int, BiasAttribution]:
+    """`bias_attribution` on what one head of a trained model sees: the q, k, v and dO of layer `layer`
+    on the batch after `checkpoint` (causal, as in training). `head` None: the layer's head with the
+    largest W_Q spectral norm. Returns (head, attribution)."""
+    import torch
+
+    from stableflash.diagnose.capture import capture_attention
+    from stableflash.diagnose.delta import resumed_trainer
+
+    if not 0 <= layer < cfg.model.n_layer:
+        raise ValueError(f"layer: expected 0..{cfg.model.n_layer - 1}, got {layer}")
+    with resumed_trainer(cfg, checkpoint, replay) as trainer:
+        x, y = next(iter(trainer.micro_batches(trainer.step)))
+        c = capture_attention(trainer.model, x, y)[layer]
+    H = c.q.shape[1]
+    if head is None:
+        w_q = c.w_q.double().view(H, -1, c.w_q.shape[-1])
+        head = int(torch.linalg.matrix_norm(w_q, ord=2).argmax())
+    if not 0 <= head < H:
+        raise ValueError(f"head: expected 0..{H - 1}, got {head}")
+    one = [t[:, head:head + 1].to(torch.bfloat16) for t in (c.q, c.k, c.v, c.dout)]
+    return head, bias_attribution(*one, policy, high=high, causal=True)
+

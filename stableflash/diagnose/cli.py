@@ -49,12 +49,20 @@ def _decompose(args) -> int:
 
 
 def _bias(args) -> int:
-    from stableflash.diagnose.bias import bias_attribution
+    from stableflash.diagnose.bias import bias_at_head, bias_attribution
     from stableflash.diagnose.mechanism import tied_maxima_inputs
 
-    q, k, v, dout = tied_maxima_inputs(args.ties, heads=args.heads, keys=args.keys, seed=args.seed)
-    result = bias_attribution(q, k, v, dout, args.policy)
-    print(f"bias of `{args.policy}` against fp64 on {args.ties} tied maxima per row, split by rounding site:")
+    if args.checkpoint:
+        if not args.config:
+            raise ValueError("--config: needed with --checkpoint (the run's config)")
+        head, result = bias_at_head(_config(args), args.checkpoint, layer=args.layer, head=args.head,
+                                    policy=args.policy, replay=args.replay)
+        print(f"bias of `{args.policy}` against fp64 at layer {args.layer}, head {head}, on the batch after "
+              f"{args.checkpoint}, split by rounding site:")
+    else:
+        q, k, v, dout = tied_maxima_inputs(args.ties, heads=args.heads, keys=args.keys, seed=args.seed)
+        result = bias_attribution(q, k, v, dout, args.policy)
+        print(f"bias of `{args.policy}` against fp64 on {args.ties} tied maxima per row, split by rounding site:")
     print(result.to_markdown())
     result.save(args.out / "bias.json")
     return 0
@@ -133,6 +141,13 @@ def add_commands(sub) -> None:
         if name == "bias":
             q.add_argument("--policy", default="paper")
             q.add_argument("--heads", type=int, default=16)
+            # or on a trained model's head instead of the synthetic tied rows
+            q.add_argument("--config", default=None)
+            q.add_argument("--checkpoint", default=None, help="run folder or checkpoint.pt: attribute on its head")
+            q.add_argument("--replay", default=None)
+            q.add_argument("--set", dest="overrides", action="append", default=[])
+            q.add_argument("--layer", type=int, default=0)
+            q.add_argument("--head", type=int, default=None, help="default: the layer's largest-W_Q-norm head")
         else:
             q.add_argument("--row", type=int, default=0)
             q.add_argument("--feature", type=int, default=0)

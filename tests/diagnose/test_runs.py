@@ -7,6 +7,7 @@ import re
 import pytest
 
 from stableflash.cli import main
+from stableflash.diagnose.bias import BiasAttribution
 from stableflash.diagnose.delta import DeltaTrace, delta_trace
 from stableflash.diagnose.isolate import EXPERIMENTS, IsolationTable, run_isolation
 from stableflash.diagnose.report import build_report
@@ -90,6 +91,24 @@ def test_isolation_from_a_checkpoint(base_run, tmp_path):
     assert rows["fp32"]["final_loss"] != rows["baseline"]["final_loss"]
     with pytest.raises(ValueError, match="--experiments: unknown"):
         run_isolation("tiny-cpu", tmp_path / "x", experiments="warp-drive", overrides=overrides)
+
+
+def test_bias_attribution_on_a_trained_head(base_run, tmp_path, data_dir):
+    from stableflash.diagnose.bias import bias_at_head
+    from stableflash.train.config import load_config
+
+    run, overrides = base_run
+    cfg = load_config("tiny-cpu", overrides)
+    head, result = bias_at_head(cfg, run, layer=1, policy="paper")
+    assert head in (0, 1)
+    parts = sum(r["o"]["mean"] for r in result.sites) + result.remainder["o"]["mean"]
+    assert parts == pytest.approx(result.total["o"]["mean"], abs=1e-9)  # contributions + interactions = total
+    with pytest.raises(ValueError, match="head: expected 0..1"):
+        bias_at_head(cfg, run, layer=1, head=2)
+    args = ["diagnose", "bias", "--config", "tiny-cpu", "--checkpoint", str(run), "--layer", "1", "--head", "0",
+            "--out", str(tmp_path / "b"), *[a for o in overrides for a in ("--set", o)]]
+    assert main(args) == 0
+    assert BiasAttribution.load(tmp_path / "b" / "bias.json").policy == "paper"
 
 
 def test_report_embeds_every_figure(base_run, tmp_path):
