@@ -23,6 +23,11 @@ def test_sweep_runs_in_parallel_and_prints_the_verdict(tmp_path):
     kept = sorted(p.name for p in (out / "runs").iterdir())
     assert kept == ["000-ref-paper-seed0", "001-fp32-seed0", "002-ref-paper-seed1", "003-fp32-seed1"]
     assert not (out / "runs" / kept[0] / "checkpoint.pt").exists() and (out / "runs" / kept[0] / "metrics.jsonl").exists()
+    study = subprocess.run([sys.executable, str(ROOT / "scripts" / "warning_study.py"), str(out / "runs"),
+                            "--out", str(tmp_path / "w.json")], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads((tmp_path / "w.json").read_text())
+    assert result["runs"] == 4 and result["blowups"] == 0 and result["healthy"] == 4
+    assert len(result["calibration"]) == 9 and "4 runs; 0 blow-ups" in study.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--out", str(tmp_path / "x"),
                           "--settings", "warp"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--settings: unknown ['warp']" in bad.stderr
