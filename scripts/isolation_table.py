@@ -35,10 +35,14 @@ def combine(root: Path, layer: int) -> dict:
             continue
         per_seed = []
         for seed, run in runs:
-            losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
+            metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
+            losses, grads = [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
             stride = max(1, len(losses) // 150)
             history = spectral_history(run)
             per_seed.append({"seed": seed, **summarise(name, run), "loss_curve": {"stride": stride, "values": losses[::stride]},
+                             # the largest in each window: a spike must not fall between the samples
+                             "grad_norm_max": {"stride": stride, "values": [max(grads[i:i + stride])
+                                                                            for i in range(0, len(grads), stride)]},
                              "monitor": {"steps": history.steps, "repeated_max_share": history.repeated_max_share,
                                          "wq_spectral_norm": _rounded(history.norms["q"])}})
         rows.append({"experiment": name, "what": EXPERIMENTS[name][0], "runs": per_seed})
@@ -48,15 +52,16 @@ def combine(root: Path, layer: int) -> dict:
 def to_markdown(table: dict) -> str:
     fp32 = next((r for r in table["rows"] if r["experiment"] == "fp32"), None)
     fp32_mean = statistics.fmean(run["final_loss"] for run in fp32["runs"]) if fp32 else None
-    lines = ["| experiment | what changes | diverged | final loss per seed | mean − fp32 | peak W_Q σ₁ (median) | "
-             "repeated-max rows (median of peaks) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| experiment | what changes | diverged | final loss per seed | mean − fp32 | steps with gradient norm > 100 "
+             "per seed | peak W_Q σ₁ (median) | repeated-max rows (median of peaks) |", "|---|---|---|---|---|---|---|---|"]
     for row in table["rows"]:
         runs = row["runs"]
         diverged = [f"s{r['seed']}@{r['divergence_step']}" for r in runs if r["diverged"]]
         finals = " / ".join(f"{r['final_loss']:.2f}" for r in runs)
         gap = "-" if fp32_mean is None else f"{statistics.fmean(r['final_loss'] for r in runs) - fp32_mean:+.2f}"
+        spikes = " / ".join(str(r["grad_spike_steps"]) for r in runs)
         lines.append(f"| {row['experiment']} | {row['what']} | {len(diverged)}/{len(runs)} {' '.join(diverged)} | "
-                     f"{finals} | {gap} | {statistics.median(r['peak_wq_spectral_norm'] for r in runs):.0f} | "
+                     f"{finals} | {gap} | {spikes} | {statistics.median(r['peak_wq_spectral_norm'] for r in runs):.0f} | "
                      f"{statistics.median(r['peak_repeated_max_share'] for r in runs):.0%} |")
     return "\n".join(lines)
 

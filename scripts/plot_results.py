@@ -157,13 +157,16 @@ def plot_isolation(path: Path) -> list[Path]:
     by_name = {row["experiment"]: row for row in rows}
     shown = [name for name in ISOLATION_CURVES if name in by_name]
     layer = table["layer"]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.2))
     for name in shown:
         for k, run in enumerate(by_name[name]["runs"]):
             curve, stride = run["loss_curve"]["values"], run["loss_curve"]["stride"]
             label = name if k == 0 else None
             axes[0].plot([i * stride for i in range(len(curve))], curve, color=ISOLATION_CURVES[name], lw=0.8,
                          alpha=0.7, label=label)
+            grads, gstride = run["grad_norm_max"]["values"], run["grad_norm_max"]["stride"]
+            axes[3].semilogy([i * gstride for i in range(len(grads))], grads, color=ISOLATION_CURVES[name], lw=0.8,
+                             alpha=0.7, label=label)
             m = run["monitor"]
             axes[1].plot(m["steps"], m["repeated_max_share"], color=ISOLATION_CURVES[name], lw=0.8, alpha=0.7,
                          label=label)
@@ -176,6 +179,7 @@ def plot_isolation(path: Path) -> list[Path]:
     axes[0].set_ylabel("training loss")
     axes[1].set_ylabel("share of query rows with a repeated maximum")
     axes[2].set_ylabel(f"W_Q spectral norm per head, layer {layer} (seed 0)")
+    axes[3].set_ylabel("gradient norm before clipping (max per window)")
     for ax in axes:
         ax.set_xlabel("step")
         ax.legend(fontsize=7)

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from stableflash.diagnose.warnings import gradient_explosions
 from stableflash.train.config import load_config
 from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl
@@ -62,7 +63,7 @@ def summarise(run_dir: Path) -> dict:
         "failed": (not math.isfinite(final)) or final >= best + 1.0,
         "loss_curve": {"stride": stride, "values": losses[::stride]},
         "repeated_max_share": {"steps": [m["step"] for m in monitor], "values": share},
-        "peak_wq_spectral_norm": peak_wq,
+        "peak_wq_spectral_norm": peak_wq, **gradient_explosions(run_dir),
         "events": [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "stop"],
     }
 
@@ -91,7 +92,8 @@ def describe(row: dict) -> str:
     if "skipped" in row or "error" in row:
         return f"{head} {'SKIPPED ' + row['skipped'] if 'skipped' in row else 'ERROR ' + row['error']}"
     return (f"{head} best {row['best_loss']:.3f} final {row['final_loss']:.3f} failed={row['failed']} "
-            f"peakWq={row['peak_wq_spectral_norm']:.2f} ({row['wall_s']:.0f}s)")
+            f"peakWq={row['peak_wq_spectral_norm']:.2f} grad>100 in {row['grad_spike_steps']} steps "
+            f"(peak {row['peak_grad_norm']:.3g}) ({row['wall_s']:.0f}s)")
 
 
 def verdicts(runs: list[dict], analysed: str, control: str) -> list[str]:
@@ -100,13 +102,14 @@ def verdicts(runs: list[dict], analysed: str, control: str) -> list[str]:
     lines = []
     for cell in dict.fromkeys(tuple(r["cell"]) for r in runs):
         rows = [r for r in runs if tuple(r["cell"]) == cell and "failed" in r]
-        counts, finals = {}, {}
+        counts, finals, spikes = {}, {}, {}
         for r in rows:
             failed, total = counts.get(r["setting"], (0, 0))
             counts[r["setting"]] = (failed + r["failed"], total + 1)
             finals.setdefault(r["setting"], []).append(r["final_loss"])
-        parts = [f"{setting} {failed}/{total} (mean final {sum(finals[setting]) / total:.2f})"
-                 for setting, (failed, total) in counts.items()]
+            spikes.setdefault(r["setting"], []).append(r.get("grad_spike_steps"))
+        parts = [f"{setting} {failed}/{total} (mean final {sum(finals[setting]) / total:.2f}, "
+                 f"steps with grad norm > 100: {spikes[setting]})" for setting, (failed, total) in counts.items()]
         lines.append(f"{' '.join(cell) or '(base)'}: failed " + ", ".join(parts))
         if analysed in counts and control in counts:
             (a_failed, a_total), (c_failed, c_total) = counts[analysed], counts[control]
@@ -116,6 +119,17 @@ def verdicts(runs: list[dict], analysed: str, control: str) -> list[str]:
                 verdict = "MET" if 3 * a_failed >= 2 * a_total and c_failed == 0 else "not met"
             lines.append(f"  reproduction rule ({analysed} fails in >= 2/3, {control} in 0/3): {verdict}")
     return lines
+
+
+def resummarise(out: Path) -> None:
+    """Rows of OUT/sweep.json recomputed from the runs kept (--keep-runs) under OUT/runs, in place."""
+    path = out / "sweep.json"
+    results = json.loads(path.read_text())
+    for i, row in enumerate(results["runs"]):
+        run_dir = out / "runs" / f"{i:03d}-{row['setting']}-seed{row['seed']}"
+        if (run_dir / "metrics.jsonl").exists():
+            row.update(summarise(run_dir))
+    path.write_text(json.dumps(results, indent=1))
 
 
 def main():
@@ -130,7 +144,13 @@ def main():
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
     parser.add_argument("--keep-runs", action="store_true", help="keep each run's logs (not its checkpoint)")
     parser.add_argument("--verdict", default="paper:fp32", help="ANALYSED:CONTROL settings of the reproduction rule")
+    parser.add_argument("--resummarise", action="store_true",
+                        help="train nothing: summarise OUT's kept runs again (after the summary changed) and print the verdict")
     args = parser.parse_args()
+    if args.resummarise:
+        resummarise(args.out)
+        print("\n".join(verdicts(json.loads((args.out / "sweep.json").read_text())["runs"], *args.verdict.split(":"))))
+        return
     unknown = [s for s in args.settings.split(",") if s not in SETTINGS]
     if unknown:
         parser.error(f"--settings: unknown {unknown}; expected names from {list(SETTINGS)}")

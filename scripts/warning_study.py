@@ -3,7 +3,8 @@ how often it warns on runs that never blow up (false positives).
 
 Every folder under the given roots that holds a metrics.jsonl is one run (unpack the committed
 runs.tar.xz archives first). A blow-up is `blowup_step`'s: after the warm-up, a non-finite loss or
-one that stays >= the best so far + 1.0 for 10 steps. Warnings during the warm-up are counted apart:
+one that stays >= the best so far + 1.0 for 10 steps; a healthy run is "calm" if no gradient norm
+exceeded 100 either (clipping hides such explosions from the loss). Warnings during the warm-up are counted apart:
 the logits and the gradient norm grow fastest there on every run.
 
     python scripts/warning_study.py results/sweep-06/runs results/sweep-07/runs results/isolation-bf16-lr3e-2 \\
@@ -19,7 +20,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from stableflash.diagnose.warnings import replay_warnings, warmup_of
+from stableflash.diagnose.warnings import gradient_explosions, replay_warnings, warmup_of
 from stableflash.train.config import load_config
 
 # each signal alone, at its default threshold and stricter ones: can any threshold tell the runs apart?
@@ -61,6 +62,7 @@ def study(roots: list[Path]) -> dict:
         warmup = warmup_of(run)
         after = [w for w in replay.warnings if w["step"] > warmup]
         rows.append({"run": str(run), "warmup": warmup, "blowup_step": replay.blowup_step,
+                     "grad_spike_steps": gradient_explosions(run)["grad_spike_steps"],
                      "warnings_in_warmup": len(replay.warnings) - len(after), "warnings_after_warmup": len(after),
                      "signals_after_warmup": dict(Counter(w["signal"] for w in after)),
                      "first_warning_after_warmup": after[0]["step"] if after else None,
@@ -68,12 +70,14 @@ def study(roots: list[Path]) -> dict:
                      and after[0]["step"] <= replay.blowup_step else None})
     failing = [r for r in rows if r["blowup_step"] is not None]
     healthy = [r for r in rows if r["blowup_step"] is None]
+    calm = [r for r in healthy if r["grad_spike_steps"] == 0]  # not even a gradient explosion that clipping hid
     leads = [r["lead_steps"] for r in failing if r["lead_steps"] is not None]
     return {"runs": len(rows), "blowups": len(failing), "warned_before_blowup": len(leads),
             "lead_steps_median": statistics.median(leads) if leads else None,
             "lead_steps_range": [min(leads), max(leads)] if leads else None,
             "healthy": len(healthy), "healthy_warned_after_warmup": sum(r["warnings_after_warmup"] > 0 for r in healthy),
             "healthy_signals": dict(sum((Counter(r["signals_after_warmup"]) for r in healthy), Counter())),
+            "calm": len(calm), "calm_warned_after_warmup": sum(r["warnings_after_warmup"] > 0 for r in calm),
             "calibration": calibrate(runs), "rows": rows}
 
 
@@ -88,6 +92,8 @@ def main():
           f"(after the warm-up); lead steps median {result['lead_steps_median']}, range {result['lead_steps_range']}")
     print(f"{result['healthy']} healthy runs; {result['healthy_warned_after_warmup']} warned after the warm-up "
           f"(false positives); their signals: {result['healthy_signals']}")
+    print(f"{result['calm']} of them calm (no gradient norm above 100 either); {result['calm_warned_after_warmup']} "
+          "of those warned after the warm-up")
     for row in result["calibration"]:
         print(f"  {row}")
 

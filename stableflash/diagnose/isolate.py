@@ -20,7 +20,7 @@ import torch
 
 from stableflash.diagnose.record import Record
 from stableflash.diagnose.spectral import spectral_history
-from stableflash.diagnose.warnings import blowup_step, warmup_of
+from stableflash.diagnose.warnings import blowup_step, gradient_explosions, warmup_of
 from stableflash.train.checkpoint import save_checkpoint
 from stableflash.train.config import load_config
 from stableflash.train.demo import read_jsonl
@@ -90,7 +90,7 @@ def summarise(name: str, run_dir: Path) -> dict:
             "divergence_step": diverged_at if diverged_at is not None else (stops[0]["step"] if stops else None),
             "final_loss": losses[-1][1] if losses else float("nan"), "best_loss": best if losses else float("nan"),
             "steps": len(losses), "last_step": losses[-1][0] if losses else None, "peak_wq_spectral_norm": peak_wq,
-            "peak_repeated_max_share": share}
+            "peak_repeated_max_share": share, **gradient_explosions(run_dir)}
 
 
 @dataclass
