@@ -103,17 +103,17 @@ class IsolationTable(Record):
     rows: list
 
     def to_markdown(self) -> str:
-        lines = ["| experiment | what changes | diverged | step | final loss | peak W_Q σ₁ | repeated-max rows |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = ["| experiment | what changes | diverged | step | final loss | steps with gradient norm > 100 | "
+                 "peak W_Q σ₁ | repeated-max rows |", "|---|---|---|---|---|---|---|---|"]
         for r in self.rows:
             if "skipped" in r:
                 what = EXPERIMENTS[r["experiment"]][0]
-                lines.append(f"| {r['experiment']} | {what} | - | - | skipped: {r['skipped']} | - | - |")
+                lines.append(f"| {r['experiment']} | {what} | - | - | skipped: {r['skipped']} | - | - | - |")
                 continue
             step = "-" if r["divergence_step"] is None else r["divergence_step"]
             lines.append(f"| {r['experiment']} | {EXPERIMENTS[r['experiment']][0]} | {'yes' if r['diverged'] else 'no'} | "
-                         f"{step} | {r['final_loss']:.3f} | {r['peak_wq_spectral_norm']:.1f} | "
-                         f"{r['peak_repeated_max_share']:.1%} |")
+                         f"{step} | {r['final_loss']:.3f} | {r.get('grad_spike_steps', '-')} | "
+                         f"{r['peak_wq_spectral_norm']:.1f} | {r['peak_repeated_max_share']:.1%} |")
         return "\n".join(lines)
 
 

@@ -57,6 +57,7 @@ def test_isolation_runs_the_whole_list_and_resumes(base_run, tmp_path):
     assert [r["experiment"] for r in table.rows] == list(EXPERIMENTS)
     for row in table.rows:
         assert row["steps"] == 6 and row["final_loss"] > 0 and row["peak_wq_spectral_norm"] > 0
+        assert row["grad_spike_steps"] == 0 and 0 < row["peak_grad_norm"] < 100  # a calm tiny run
     # every experiment saw the same replayed batches
     batches = {(tmp_path / "iso" / name / "batches.jsonl").read_text() for name in EXPERIMENTS}
     assert len(batches) == 1
