@@ -20,35 +20,50 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from stableflash.diagnose.warnings import gradient_explosions, replay_warnings, warmup_of
+from stableflash.diagnose.warnings import GRAD_SPIKE, gradient_explosions, replay_warnings, warmup_of
 from stableflash.train.config import load_config
+from stableflash.train.demo import read_jsonl
 
 # each signal alone, at its default threshold and stricter ones: can any threshold tell the runs apart?
 CALIBRATION = [("max_logit", {"logit_warn_factor": f}) for f in (3, 10, 30)] + \
               [("grad_norm", {"grad_warn_factor": f}) for f in (10, 30, 100)] + \
-              [("repeated_max", {"warn_factor": f, "warn_min_fraction": m}) for f, m in ((3, 0.05), (3, 0.2), (5, 0.3))]
+              [("repeated_max", {"warn_factor": f, "warn_min_fraction": m}) for f, m in ((3, 0.05), (3, 0.2), (5, 0.3))] + \
+              [("score_resolution", {"score_ulp_warn": f}) for f in (2, 4, 8, 16)]
+LEVEL_SIGNALS = {"score_resolution"}
+
+
+def first_explosion(run: Path) -> int | None:
+    """The first step after the warm-up whose gradient norm exceeds GRAD_SPIKE (or is not finite)."""
+    warmup = warmup_of(run)
+    for m in read_jsonl(run / "metrics.jsonl"):
+        if "grad_norm" in m and m["step"] > warmup and not m["grad_norm"] <= GRAD_SPIKE:
+            return m["step"]
+    return None
 
 
 def calibrate(runs: list[Path]) -> list[dict]:
-    """Per signal and threshold: failing runs it warned before their blow-up (after the warm-up), healthy
-    runs it warned at all after the warm-up, and the median lead."""
+    """Per signal and threshold, against two outcomes (the loss blow-up, and the first gradient explosion):
+    failing runs it warned at or before the outcome, the other runs it warned at all, and the median lead.
+    The jump rules count from the end of the warm-up (they fire on every run during it); the level rule
+    (score_resolution, once per head) counts from the start."""
+    outcomes = {run: {"blowup": replay_warnings(run).blowup_step, "explosion": first_explosion(run)} for run in runs}
     rows = []
     for signal, changes in CALIBRATION:
-        caught, leads, false_alarms, failing, healthy = 0, [], 0, 0, 0
+        warned = {}
         for run in runs:
             replay = replay_warnings(run, dataclasses.replace(load_config(run / "config.toml").monitor, **changes))
-            steps = [w["step"] for w in replay.warnings if w["step"] > warmup_of(run) and w["signal"] == signal]
-            if replay.blowup_step is None:
-                healthy += 1
-                false_alarms += bool(steps)
-                continue
-            failing += 1
-            early = [s for s in steps if s <= replay.blowup_step]
-            if early:
-                caught += 1
-                leads.append(replay.blowup_step - early[0])
-        rows.append({"signal": signal, **changes, "caught": f"{caught}/{failing}", "false_alarms": f"{false_alarms}/{healthy}",
-                     "lead_steps_median": statistics.median(leads) if leads else None})
+            start = 0 if signal in LEVEL_SIGNALS else warmup_of(run)
+            warned[run] = [w["step"] for w in replay.warnings if w["step"] > start and w["signal"] == signal]
+        row = {"signal": signal, **changes}
+        for outcome in ("blowup", "explosion"):
+            failing = [r for r in runs if outcomes[r][outcome] is not None]
+            others = [r for r in runs if outcomes[r][outcome] is None]
+            leads = [outcomes[r][outcome] - warned[r][0] for r in failing
+                     if warned[r] and warned[r][0] <= outcomes[r][outcome]]
+            row[outcome] = {"caught": f"{len(leads)}/{len(failing)}",
+                            "false_alarms": f"{sum(bool(warned[r]) for r in others)}/{len(others)}",
+                            "lead_steps_median": statistics.median(leads) if leads else None}
+        rows.append(row)
     return rows
 
 

@@ -53,6 +53,18 @@ def blowup_step(losses: list[tuple[int, float]], margin: float = 1.0, *, after: 
     return None
 
 
+def _layer_scores_formats(run_dir: Path) -> list | None:
+    """Each layer's scores format as the run's config sets it (None without a config.toml; a monitor action
+    that switched a layer mid-run is not followed)."""
+    from stableflash.model.gpt import LayerAttention
+    from stableflash.train.monitor import scores_format
+
+    if not (run_dir / "config.toml").exists():
+        return None
+    cfg = load_config(run_dir / "config.toml")
+    return [scores_format(LayerAttention.from_config(cfg.attention.for_layer(i)).precision) for i in range(cfg.model.n_layer)]
+
+
 def warmup_of(run_dir: Path) -> int:
     """The run's warm-up steps (0 for a folder without its config.toml)."""
     config = run_dir / "config.toml"
@@ -89,11 +101,14 @@ def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, bl
         event = monitor.check_grad(m["step"], m["grad_norm"])
         if event is not None:
             warnings.append(event)
+    formats = _layer_scores_formats(run_dir)
     for record in monitor_log:
         for layer, stats in enumerate(record["attention"]):
             if stats is None:
                 continue
             warnings += monitor.logit_events(record["step"], layer, stats["max_score"])
+            if formats is not None:
+                warnings += monitor.resolution_events(record["step"], layer, stats["max_score"], formats[layer])
             warnings += monitor.repeated_max_events(record["step"], layer, stats)
     warnings.sort(key=lambda e: e["step"])
     blowup = blowup_step([(m["step"], m["loss"]) for m in metrics], blowup_margin, after=warmup_of(run_dir))

@@ -70,6 +70,13 @@ class Format:
         """Spacing of values just above 1."""
         return math.ldexp(1.0, -self.fraction_bits)
 
+    def ulp(self, x: float) -> float:
+        """Spacing of this format's values at |x|: how far apart two neighbours there are (inf for inf/NaN)."""
+        if not math.isfinite(x):
+            return math.inf
+        exponent = max(math.frexp(abs(x))[1] - 1, self.min_exponent) if x else self.min_exponent
+        return math.ldexp(1.0, exponent - self.fraction_bits)
+
     # -- exact encode / decode -------------------------------------------------
 
     def encode(self, value: float | Fraction) -> int:

@@ -208,6 +208,10 @@ class MonitorConfig:
     """Warn when a head's largest attention logit exceeds this multiple of its running median..."""
     logit_warn_min: float = 200.0
     """...and this value (logit growth: the failure QK-norm and QK-clip address)."""
+    score_ulp_warn: float = 4.0
+    """Warn when a layer rounds its scores (QKᵀ or S) to a 16-bit format and a head's largest score sits where
+    that format's values are this far apart (bf16: 4 at |s| >= 512): the rounding of S then moves softmax weights
+    by e^4 and merges distinct scores into ties (RESULTS.md: the gradient explosions of the bf16 regime). 0: off."""
     action: str = "none"
     """On a warning: none | sfa | fp32 (switch that layer) | rollback."""
 

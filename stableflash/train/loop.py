@@ -261,7 +261,8 @@ class Trainer:
         if action in ("sfa", "rollback"):
             new = LayerAttention.from_config(dataclasses.replace(base, stabilize="sfa"))
         else:
-            new = LayerAttention.from_config(dataclasses.replace(base, precision="fp32", stabilize="none", heads=()))
+            new = LayerAttention.from_config(dataclasses.replace(base, precision="fp32", stabilize="none", heads=(),
+                                                                 forward_precision="", backward_precision="", sites={}))
         if action == "rollback" and (self.run_dir / "checkpoint.pt").exists():
             self._load()
         self.model.set_layer_attention(layer, new)

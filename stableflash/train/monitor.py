@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from stableflash.attention.stats import AttentionStats
+from stableflash.numerics.formats import Format, get_format
 
 COUNTING_BACKENDS = ("reference", "math", "auto", "triton")
 MATRICES = ("q", "k", "v", "o")
@@ -69,6 +70,14 @@ def _jump(past, value: float, factor: float, *, minimum: float = -math.inf, warm
     return median if value > factor * max(median, floor) and value >= minimum else None
 
 
+def scores_format(policy) -> Format | None:
+    """The coarsest format a policy rounds its attention scores to (the QKᵀ or the S site), or None when
+    both keep at least fp32's precision ("input" sites follow the inputs and are not judged here)."""
+    formats = [get_format(getattr(policy, site)) for site in ("qk", "scores") if getattr(policy, site) != "input"]
+    coarsest = min(formats, key=lambda f: f.fraction_bits, default=None)
+    return coarsest if coarsest is not None and coarsest.fraction_bits < 23 else None
+
+
 class Monitor:
     def __init__(self, cfg, model, run_dir: Path, enabled: bool = True):
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -78,6 +87,7 @@ class Monitor:
         self.grad_norms: deque[float] = deque(maxlen=50)
         self.history: dict[tuple[int, int], deque[float]] = {}
         self.logit_history: dict[tuple[int, int], deque[float]] = {}
+        self.coarse_scores: set[tuple[int, int]] = set()  # heads already warned by the resolution rule
         self.n_head = model.config.n_head
         self.armed = False
 
@@ -141,6 +151,20 @@ class Monitor:
                 past.append(score)
         return events
 
+    def resolution_events(self, step: int, layer: int, max_scores: list[float], fmt: Format | None) -> list[dict]:
+        """Warnings, once per head, when its largest score sits where `fmt` (the layer's scores format) spaces
+        values `score_ulp_warn` or more apart."""
+        if fmt is None or self.cfg.score_ulp_warn <= 0:
+            return []
+        events = []
+        for head, score in enumerate(max_scores):
+            spacing = fmt.ulp(score)
+            if spacing >= self.cfg.score_ulp_warn and (layer, head) not in self.coarse_scores:
+                self.coarse_scores.add((layer, head))
+                events.append({"step": step, "kind": "warning", "signal": "score_resolution", "layer": layer,
+                               "head": head, "max_logit": score, "format": fmt.name, "spacing": spacing})
+        return events
+
     def repeated_max_events(self, step: int, layer: int, stats: dict, wq_norms=None) -> list[dict]:
         """Warnings for heads whose share of repeated-max rows jumps above its running median."""
         events = []
@@ -169,5 +193,7 @@ class Monitor:
             if s is None:
                 continue
             events += self.logit_events(step, layer, s["max_score"])
+            events += self.resolution_events(step, layer, s["max_score"],
+                                             scores_format(model.attentions[layer].attention.precision))
             events += self.repeated_max_events(step, layer, s, wq_norms=record["spectral"]["q"][layer])
         return record, events

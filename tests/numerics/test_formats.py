@@ -40,3 +40,11 @@ def test_specials_and_errors():
         get_format("fp12")
     assert get_format("e4m3") is FP8_E4M3 and get_format(torch.bfloat16) is BF16
     assert set(FORMATS) >= {"bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"}
+
+
+def test_ulp_is_the_spacing_of_neighbours():
+    bf16, fp16 = get_format("bf16"), get_format("fp16")
+    assert bf16.ulp(1.0) == 2.0 ** -7 and bf16.ulp(-1024.0) == 8.0 and bf16.ulp(1500.0) == 8.0 and bf16.ulp(512) == 4.0
+    assert fp16.ulp(1024.0) == 1.0 and bf16.ulp(0.0) == bf16.min_subnormal and bf16.ulp(float("nan")) == float("inf")
+    x = torch.tensor(1000.0, dtype=torch.bfloat16)  # torch agrees: the next value up is one ulp away
+    assert (torch.nextafter(x, torch.tensor(2e3, dtype=torch.bfloat16)) - x).item() == bf16.ulp(1000.0)

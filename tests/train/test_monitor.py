@@ -78,3 +78,34 @@ def test_a_non_finite_gradient_skips_the_update(tiny, tmp_path):
     assert torch.equal(weight.detach(), before) and all(torch.isfinite(p).all() for p in trainer.model.parameters())
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")]
     assert kinds.count("skipped_step") == 3
+
+
+def test_scores_resolution_warning_once_per_head(tmp_path):
+    from stableflash.attention.precision import PRESETS
+    from stableflash.train.monitor import scores_format
+
+    assert scores_format(PRESETS["paper"]).name == "bf16" and scores_format(PRESETS["bf16"]).name == "bf16"
+    assert scores_format(PRESETS["fa2"]) is None and scores_format(PRESETS["fp32"]) is None
+    assert scores_format(PRESETS["fa2"].replace(qk="fp16")).name == "fp16"
+    monitor = Monitor(MonitorConfig(interval=1, score_ulp_warn=4.0), _model(), tmp_path)
+    bf16 = scores_format(PRESETS["bf16"])
+    assert monitor.resolution_events(1, 0, [511.0, 20.0], bf16) == []  # spacing 2 below 512
+    events = monitor.resolution_events(2, 0, [600.0, 20.0], bf16)
+    assert [(e["head"], e["spacing"], e["format"]) for e in events] == [(0, 4.0, "bf16")]
+    assert monitor.resolution_events(3, 0, [9000.0, 20.0], bf16) == []  # once per head
+    assert monitor.resolution_events(3, 0, [9000.0, 9000.0], None) == []  # scores kept in fp32: nothing to say
+
+
+def test_a_resolution_warning_can_switch_the_layer_to_fp32(tiny, tmp_path):
+    from stableflash.train.demo import read_jsonl
+    from stableflash.train.loop import train
+
+    # a threshold every score passes: the rule fires at the first monitored step (logged as step 1), and not
+    # at step 3, when the switched layers keep their scores in fp32
+    train(tiny("run.max_steps=4", "run.eval_interval=0", "monitor.interval=2", "monitor.score_ulp_warn=1e-9",
+               "monitor.action=fp32"), tmp_path)
+    events = read_jsonl(tmp_path / "events.jsonl")
+    warned = [e for e in events if e.get("signal") == "score_resolution"]
+    assert {(e["step"], e["layer"]) for e in warned} == {(1, 0), (1, 1)} and warned[0]["format"] == "bf16"
+    actions = [e for e in events if e["kind"] == "action"]
+    assert actions and all(a["attention"] == "reference:fp32" for a in actions)
