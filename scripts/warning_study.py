@@ -1,5 +1,6 @@
-"""The early-warning monitor replayed over many finished runs: lead time before each blow-up, and
-how often it warns on runs that never blow up (false positives).
+"""The early-warning monitor replayed over many finished runs: lead time before each loss blow-up and
+each first gradient explosion, and how often it warns on runs that have neither (false positives);
+each rule alone at several thresholds.
 
 Every folder under the given roots that holds a metrics.jsonl is one run (unpack the committed
 runs.tar.xz archives first). A blow-up is `blowup_step`'s: after the warm-up, a non-finite loss or

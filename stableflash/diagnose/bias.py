@@ -108,4 +108,3 @@ def bias_at_head(cfg, checkpoint, *, layer: int, head: int | None = None, policy
         raise ValueError(f"head: expected 0..{H - 1}, got {head}")
     one = [t[:, head:head + 1].to(torch.bfloat16) for t in (c.q, c.k, c.v, c.dout)]
     return head, bias_attribution(*one, policy, high=high, causal=True)
-
