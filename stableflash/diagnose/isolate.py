@@ -47,8 +47,10 @@ EXPERIMENTS = {
                      lambda p, layer, heads: ["attention.forward_precision=fp32"]),
     "backward-fp32": ("the backward in fp32, the forward as it is",
                       lambda p, layer, heads: ["attention.backward_precision=fp32"]),
-    "scores-fp32": ("QKᵀ, the scores and their row max in fp32, the rest as it is (no ties from rounding S)",
-                    lambda p, layer, heads: [f"attention.sites.{s}=fp32" for s in ("qk", "scores", "row_max")]),
+    # S in fp32 needs the saved log-sum-exp in fp32 too: the backward's exp(S - lse) must match its S
+    "scores-fp32": ("QKᵀ, the scores, their row max and the saved log-sum-exp in fp32, the rest as it is",
+                    lambda p, layer, heads: [f"attention.sites.{s}=fp32" for s in ("qk", "scores", "row_max", "lse")]),
+    "lse-fp32": ("the saved log-sum-exp in fp32", lambda p, layer, heads: ["attention.sites.lse=fp32"]),
     "heads-fp32": ("fp32 for layer L's heads with the largest W_Q spectral norm",
                    lambda p, layer, heads: [f"attention.layers.{layer}.heads=[{','.join(map(str, heads))}]",
                                             f"attention.layers.{layer}.head_precision=fp32"]),
