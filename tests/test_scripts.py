@@ -27,7 +27,11 @@ def test_sweep_runs_in_parallel_and_prints_the_verdict(tmp_path):
                             "--out", str(tmp_path / "w.json")], capture_output=True, text=True, timeout=120, check=True)
     result = json.loads((tmp_path / "w.json").read_text())
     assert result["runs"] == 4 and result["blowups"] == 0 and result["healthy"] == 4
-    assert len(result["calibration"]) == 9 and "4 runs; 0 blow-ups" in study.stdout
+    assert "4 runs; 0 blow-ups" in study.stdout
+    signals = {row["signal"] for row in result["calibration"]}
+    assert signals == {"max_logit", "grad_norm", "repeated_max", "score_resolution"}
+    assert all(row["explosion"]["caught"] == "0/0" and row["blowup"]["false_alarms"].endswith("/4")
+               for row in result["calibration"])
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--out", str(tmp_path / "x"),
                           "--settings", "warp"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--settings: unknown ['warp']" in bad.stderr
