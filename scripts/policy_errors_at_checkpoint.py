@@ -3,7 +3,8 @@
 Captures every layer's q, k, v and dO on the batch after a checkpoint, then runs the reference
 attention forward and backward under each policy and compares dQ, dK, dV with fp64: relative norm
 error, and the error's component along the exact gradient (negative: the gradient is shrunk).
-Which rounding sites make the gradients wrong, on real activations rather than synthetic rows.
+Which rounding sites make the gradients wrong, on real activations rather than synthetic rows. Also
+each row's sum of the probabilities the backward recomputes (1 in exact arithmetic).
 
     python scripts/policy_errors_at_checkpoint.py --config repro-bf16-4l --checkpoint RUN \\
         --set run.device=cpu --out results/diagnose-bf16-step200-cpu/policy-errors.json
@@ -19,6 +20,7 @@ import torch
 
 from stableflash.attention import flash_attention
 from stableflash.attention.precision import PRESETS
+from stableflash.attention.reference import backward_row_sums
 from stableflash.diagnose.capture import capture_attention
 from stableflash.diagnose.delta import resumed_trainer
 from stableflash.train.config import load_config
@@ -62,13 +64,16 @@ def main():
         exact = gradients(*(t.double() for t in (q, k, v, dout)), PRESETS["fp64"])
         max_logit = ((q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5).amax().item()
         for name, policy in POLICIES.items():
-            row = {"layer": layer, "policy": name, "max_logit": max_logit}
+            sums = backward_row_sums(q, k, v, policy=policy)
+            row = {"layer": layer, "policy": name, "max_logit": max_logit,
+                   "rows_p_sum_above_1.5": (sums > 1.5).double().mean().item(), "p_sum_max": sums.max().item()}
             for which, g, e in zip(("dq", "dk", "dv"), gradients(q, k, v, dout, policy), exact):
                 row[f"{which}_rel_err"] = ((g - e).norm() / e.norm()).item()
                 row[f"{which}_along_exact"] = ((g - e) * e).sum().item() / e.norm().item() ** 2
             rows.append(row)
             print(f"layer {layer} (max logit {max_logit:8.0f}) {name:24} dQ err {row['dq_rel_err']:.3f} "
-                  f"({row['dq_along_exact']:+.3f} along)  dK err {row['dk_rel_err']:.3f}  dV err {row['dv_rel_err']:.3f}",
+                  f"({row['dq_along_exact']:+.3f} along)  dK err {row['dk_rel_err']:.3f}  dV err {row['dv_rel_err']:.3f}  "
+                  f"rows with ΣP > 1.5: {row['rows_p_sum_above_1.5']:.1%} (max ΣP {row['p_sum_max']:.3g})",
                   flush=True)
     args.out.write_text(json.dumps({"config": args.config, "checkpoint": args.checkpoint, "rows": rows}, indent=1))
 

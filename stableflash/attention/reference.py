@@ -323,3 +323,24 @@ def forward_and_delta(q, k, v, dout, *, scale: float | None = None, causal: bool
     r = _Rounder(policy, q.dtype)
     delta = _delta(r, q, k, v, o_saved, lse, dout.to(out.dtype), scale, causal)
     return out, delta.squeeze(-1)
+
+
+@_policy_rounds_alone
+def backward_row_sums(q, k, v, *, scale: float | None = None, causal: bool = True, policy: Precision) -> torch.Tensor:
+    """(B, H, T) float64: each row's sum of the probabilities P = exp(S - lse) that the backward recomputes
+    from the forward's saved log-sum-exp. 1 in exact arithmetic (0 for a fully masked row); when lse is rounded
+    coarser than log(row sum) (bf16 at large logits) a row with k tied maxima sums to about k, and dV and dS
+    grow with it."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    _, _, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy)
+    r = _Rounder(policy, q.dtype)
+    T = q.shape[-2]
+    sums = torch.zeros(q.shape[:-1], dtype=torch.float64, device=q.device)
+    for i0, bm in _tiles(T, policy.block_m):
+        for j0, bn in _tiles(T, policy.block_n):
+            if causal and j0 > i0 + bm - 1:
+                break
+            s = _scores(r, q[:, :, i0:i0 + bm], k[:, :, j0:j0 + bn], scale, causal, i0, j0)
+            sums[:, :, i0:i0 + bm] += _probabilities(r, s, lse[:, :, i0:i0 + bm]).double().sum(-1)
+    return sums
+

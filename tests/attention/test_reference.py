@@ -216,3 +216,17 @@ def test_precision_validation():
         Precision(block_m=0)
     with pytest.raises(ValueError, match="precision: unknown preset 'fp17'"):
         flash_attention(*(torch.randn(1, 1, 4, 8) for _ in range(3)), precision="fp17")
+
+
+def test_backward_probabilities_sum_to_the_ties_when_lse_is_rounded_onto_the_max():
+    from stableflash.attention.reference import backward_row_sums
+    from stableflash.diagnose.mechanism import tied_maxima_inputs
+
+    q, k, v, _ = tied_maxima_inputs(4, heads=2, keys=64, score_scale=5000.0)  # tied logits 5,000-10,000
+    kw = dict(causal=False)
+    # bf16 spaces values 32-64 apart there: lse = m + log 4 rounds back to m, and the 4 ties get P = 1 each
+    assert backward_row_sums(q, k, v, policy=PRESETS["bf16"], **kw).median().item() == pytest.approx(4.0, rel=0.02)
+    for name in ("paper", "fa2"):  # lse in fp32
+        assert backward_row_sums(q, k, v, policy=PRESETS[name], **kw).sub(1).abs().max().item() < 0.02, name
+    q, k, v = (torch.randn(1, 2, 33, 16, dtype=torch.float64) for _ in range(3))  # small logits, causal
+    assert backward_row_sums(q, k, v, policy=PRESETS["fp64"]).sub(1).abs().max().item() < 1e-12
