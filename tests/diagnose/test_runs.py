@@ -2,6 +2,7 @@
 
 import base64
 import json
+import math
 import re
 
 import pytest
@@ -110,6 +111,24 @@ def test_bias_attribution_on_a_trained_head(base_run, tmp_path, data_dir):
             "--out", str(tmp_path / "b"), *[a for o in overrides for a in ("--set", o)]]
     assert main(args) == 0
     assert BiasAttribution.load(tmp_path / "b" / "bias.json").policy == "paper"
+
+
+def test_policy_errors_at_a_checkpoint_script(base_run, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run, overrides = base_run
+    script = Path(__file__).resolve().parents[2] / "scripts" / "policy_errors_at_checkpoint.py"
+    subprocess.run([sys.executable, str(script), "--config", "tiny-cpu", "--checkpoint", str(run), "--out",
+                    str(tmp_path / "e.json"), *[a for o in overrides for a in ("--set", o)]],
+                   check=True, capture_output=True, text=True, timeout=300)
+    rows = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert {r["layer"] for r in rows} == {0, 1} and len({r["policy"] for r in rows}) == len(rows) // 2
+    for r in rows:  # a young tiny model: small logits, every policy's backward probabilities sum to ~1
+        assert r["rows_p_sum_above_1.5"] == 0 and r["p_sum_max"] < 1.05 and math.isfinite(r["dq_rel_err"]), r["policy"]
+    err = {(r["layer"], r["policy"]): r["dq_rel_err"] for r in rows}
+    assert all(err[layer, "fa2"] < err[layer, "bf16"] for layer in (0, 1))
 
 
 def test_report_embeds_every_figure(base_run, tmp_path):
