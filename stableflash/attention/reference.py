@@ -343,4 +343,3 @@ def backward_row_sums(q, k, v, *, scale: float | None = None, causal: bool = Tru
             s = _scores(r, q[:, :, i0:i0 + bm], k[:, :, j0:j0 + bn], scale, causal, i0, j0)
             sums[:, :, i0:i0 + bm] += _probabilities(r, s, lse[:, :, i0:i0 + bm]).double().sum(-1)
     return sums
-
