@@ -29,10 +29,9 @@ BF16 = PRESETS["bf16"].tiling_off()
 POLICIES = {
     "bf16": BF16,
     # S in fp32 but the saved log-sum-exp in bf16: the backward's exp(S - lse) no longer matches (not a fix)
-    "bf16, scores in fp32": BF16.replace(name="bf16+scores32", qk="fp32", scores="fp32", row_max="fp32"),
-    "bf16, lse in fp32": BF16.replace(name="bf16+lse32", lse="fp32"),
-    "bf16, scores and lse in fp32": BF16.replace(name="bf16+scores32+lse32", qk="fp32", scores="fp32", row_max="fp32",
-                                                 lse="fp32"),
+    "bf16, scores in fp32": BF16.with_sites(qk="fp32", scores="fp32", row_max="fp32"),
+    "bf16, lse in fp32": BF16.with_sites(lse="fp32"),
+    "bf16, scores and lse in fp32": BF16.with_sites(qk="fp32", scores="fp32", row_max="fp32", lse="fp32"),
     "bf16, forward as FA2": BF16.with_pass_of("forward", "fa2"),
     "bf16, backward as FA2": BF16.with_pass_of("backward", "fa2"),
     "bf16, P̄V in fp32": BF16.with_pv_fp32(),

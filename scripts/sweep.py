@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from stableflash.diagnose.spectral import spectral_history
 from stableflash.diagnose.warnings import gradient_explosions
 from stableflash.train.config import load_config
 from stableflash.train.data import ensure_embedded
@@ -53,17 +54,14 @@ def summarise(run_dir: Path) -> dict:
     finite = [x for x in losses if math.isfinite(x)]
     best = min(finite) if finite else math.nan
     final = losses[-1] if losses else math.nan
-    monitor = read_jsonl(run_dir / "monitor.jsonl")
-    share = [sum(sum(s["repeated_max_rows"]) for s in m["attention"] if s) /
-             max(1, sum(sum(s["rows"]) for s in m["attention"] if s)) for m in monitor]
-    peak_wq = max((max(max(row) for row in m["spectral"]["q"]) for m in monitor), default=math.nan)
+    history = spectral_history(run_dir)
     stride = max(1, len(losses) // 200)
     return {
         "steps": len(losses), "best_loss": best, "final_loss": final,
         "failed": (not math.isfinite(final)) or final >= best + 1.0,
         "loss_curve": {"stride": stride, "values": losses[::stride]},
-        "repeated_max_share": {"steps": [m["step"] for m in monitor], "values": share},
-        "peak_wq_spectral_norm": peak_wq, **gradient_explosions(run_dir),
+        "repeated_max_share": {"steps": history.steps, "values": history.repeated_max_share},
+        "peak_wq_spectral_norm": history.peak("q"), **gradient_explosions(run_dir),
         "events": [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "stop"],
     }
 

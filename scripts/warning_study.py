@@ -21,9 +21,8 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from stableflash.diagnose.warnings import GRAD_SPIKE, gradient_explosions, replay_warnings, warmup_of
+from stableflash.diagnose.warnings import first_gradient_explosion, gradient_explosions, replay_warnings, warmup_of
 from stableflash.train.config import load_config
-from stableflash.train.demo import read_jsonl
 
 # each signal alone, at its default threshold and stricter ones: can any threshold tell the runs apart?
 CALIBRATION = [("max_logit", {"logit_warn_factor": f}) for f in (3, 10, 30)] + \
@@ -33,27 +32,20 @@ CALIBRATION = [("max_logit", {"logit_warn_factor": f}) for f in (3, 10, 30)] + \
 LEVEL_SIGNALS = {"score_resolution"}
 
 
-def first_explosion(run: Path) -> int | None:
-    """The first step after the warm-up whose gradient norm exceeds GRAD_SPIKE (or is not finite)."""
-    warmup = warmup_of(run)
-    for m in read_jsonl(run / "metrics.jsonl"):
-        if "grad_norm" in m and m["step"] > warmup and not m["grad_norm"] <= GRAD_SPIKE:
-            return m["step"]
-    return None
-
-
-def calibrate(runs: list[Path]) -> list[dict]:
+def calibrate(runs: list[Path], rows: list[dict]) -> list[dict]:
     """Per signal and threshold, against two outcomes (the loss blow-up, and the first gradient explosion):
     failing runs it warned at or before the outcome, the other runs it warned at all, and the median lead.
     The jump rules count from the end of the warm-up (they fire on every run during it); the level rule
-    (score_resolution, once per head) counts from the start."""
-    outcomes = {run: {"blowup": replay_warnings(run).blowup_step, "explosion": first_explosion(run)} for run in runs}
-    rows = []
+    (score_resolution, once per head) counts from the start. `rows`: `study`'s, one per run."""
+    outcomes = {run: {"blowup": row["blowup_step"], "explosion": first_gradient_explosion(run)} for run, row in zip(runs, rows)}
+    warmups = {run: row["warmup"] for run, row in zip(runs, rows)}
+    monitors = {run: load_config(run / "config.toml").monitor for run in runs}
+    table = []
     for signal, changes in CALIBRATION:
         warned = {}
         for run in runs:
-            replay = replay_warnings(run, dataclasses.replace(load_config(run / "config.toml").monitor, **changes))
-            start = 0 if signal in LEVEL_SIGNALS else warmup_of(run)
+            replay = replay_warnings(run, dataclasses.replace(monitors[run], **changes))
+            start = 0 if signal in LEVEL_SIGNALS else warmups[run]
             warned[run] = [w["step"] for w in replay.warnings if w["step"] > start and w["signal"] == signal]
         row = {"signal": signal, **changes}
         for outcome in ("blowup", "explosion"):
@@ -64,8 +56,8 @@ def calibrate(runs: list[Path]) -> list[dict]:
             row[outcome] = {"caught": f"{len(leads)}/{len(failing)}",
                             "false_alarms": f"{sum(bool(warned[r]) for r in others)}/{len(others)}",
                             "lead_steps_median": statistics.median(leads) if leads else None}
-        rows.append(row)
-    return rows
+        table.append(row)
+    return table
 
 
 def study(roots: list[Path]) -> dict:
@@ -78,7 +70,7 @@ def study(roots: list[Path]) -> dict:
         warmup = warmup_of(run)
         after = [w for w in replay.warnings if w["step"] > warmup]
         rows.append({"run": str(run), "warmup": warmup, "blowup_step": replay.blowup_step,
-                     "grad_spike_steps": gradient_explosions(run)["grad_spike_steps"],
+                     "grad_spike_steps": gradient_explosions(run, warmup=warmup)["grad_spike_steps"],
                      "warnings_in_warmup": len(replay.warnings) - len(after), "warnings_after_warmup": len(after),
                      "signals_after_warmup": dict(Counter(w["signal"] for w in after)),
                      "first_warning_after_warmup": after[0]["step"] if after else None,
@@ -94,7 +86,7 @@ def study(roots: list[Path]) -> dict:
             "healthy": len(healthy), "healthy_warned_after_warmup": sum(r["warnings_after_warmup"] > 0 for r in healthy),
             "healthy_signals": dict(sum((Counter(r["signals_after_warmup"]) for r in healthy), Counter())),
             "calm": len(calm), "calm_warned_after_warmup": sum(r["warnings_after_warmup"] > 0 for r in calm),
-            "calibration": calibrate(runs), "rows": rows}
+            "calibration": calibrate(runs, rows), "rows": rows}
 
 
 def main():

@@ -198,6 +198,10 @@ class Precision:
         other = resolve(policy)
         return self.replace(name=f"{self.name}+{which}={other.name}", **{site: getattr(other, site) for site in sites})
 
+    def with_sites(self, **formats: str) -> Precision:
+        """Sites set by hand, e.g. `with_sites(qk="fp32", scores="fp32")`, named after what they set."""
+        return self.replace(name=self.name + "+" + ",".join(f"{k}={v}" for k, v in formats.items()), **formats)
+
     def with_heads(self, heads, policy: str | Precision) -> Precision:
         """Compute the given head indices with `policy` (e.g. per-head fp32)."""
         return self.replace(name=f"{self.name}+heads{sorted(heads)}", head_override=(tuple(sorted(heads)), resolve(policy)))

@@ -79,7 +79,8 @@ def summarise(name: str, run_dir: Path) -> dict:
     """diverged?, step of divergence (after the warm-up, the first non-finite loss or loss that stays >= best
     so far + 1.0), final loss, peaks."""
     losses = [(m["step"], m["loss"]) for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
-    diverged_at = blowup_step(losses, 1.0, after=warmup_of(run_dir))
+    warmup = warmup_of(run_dir)
+    diverged_at = blowup_step(losses, 1.0, after=warmup)
     best = min((loss for step, loss in losses if diverged_at is None or step < diverged_at), default=math.inf)
     stops = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "stop"] \
         if (run_dir / "events.jsonl").exists() else []
@@ -92,7 +93,7 @@ def summarise(name: str, run_dir: Path) -> dict:
             "divergence_step": diverged_at if diverged_at is not None else (stops[0]["step"] if stops else None),
             "final_loss": losses[-1][1] if losses else float("nan"), "best_loss": best if losses else float("nan"),
             "steps": len(losses), "last_step": losses[-1][0] if losses else None, "peak_wq_spectral_norm": peak_wq,
-            "peak_repeated_max_share": share, **gradient_explosions(run_dir)}
+            "peak_repeated_max_share": share, **gradient_explosions(run_dir, warmup=warmup)}
 
 
 @dataclass

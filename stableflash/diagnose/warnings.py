@@ -53,22 +53,25 @@ def blowup_step(losses: list[tuple[int, float]], margin: float = 1.0, *, after: 
     return None
 
 
-def _layer_scores_formats(run_dir: Path) -> list | None:
-    """Each layer's scores format as the run's config sets it (None without a config.toml; a monitor action
-    that switched a layer mid-run is not followed)."""
+def _layer_scores_formats(cfg) -> list:
+    """Each layer's scores format as the run's config sets it (a monitor action that switched a layer
+    mid-run is not followed)."""
     from stableflash.model.gpt import LayerAttention
     from stableflash.train.monitor import scores_format
 
-    if not (run_dir / "config.toml").exists():
-        return None
-    cfg = load_config(run_dir / "config.toml")
     return [scores_format(LayerAttention.from_config(cfg.attention.for_layer(i)).precision) for i in range(cfg.model.n_layer)]
+
+
+def _run_config(run_dir: Path):
+    """The run's TrainConfig, or None for a folder without its config.toml."""
+    config = run_dir / "config.toml"
+    return load_config(config) if config.exists() else None
 
 
 def warmup_of(run_dir: Path) -> int:
     """The run's warm-up steps (0 for a folder without its config.toml)."""
-    config = run_dir / "config.toml"
-    return load_config(config).optim.warmup_steps if config.exists() else 0
+    cfg = _run_config(run_dir)
+    return cfg.optim.warmup_steps if cfg is not None else 0
 
 
 GRAD_SPIKE = 100.0
@@ -76,23 +79,38 @@ GRAD_SPIKE = 100.0
 regime fp32 attention passed it on 1 step of 9 runs, bf16 attention reaches 1e4-1e10 (RESULTS.md)."""
 
 
-def gradient_explosions(run_dir: str | Path, threshold: float = GRAD_SPIKE) -> dict:
-    """After the warm-up: the largest gradient norm (before clipping) and how many steps exceeded `threshold`.
+def _grad_norms_after_warmup(run_dir: Path, warmup: int | None) -> list[tuple[int, float]]:
+    warmup = warmup_of(run_dir) if warmup is None else warmup
+    return [(m["step"], m["grad_norm"]) for m in read_jsonl(run_dir / "metrics.jsonl")
+            if "grad_norm" in m and m["step"] > warmup]
+
+
+def _explodes(norm: float, threshold: float) -> bool:
+    return not math.isfinite(norm) or norm > threshold
+
+
+def gradient_explosions(run_dir: str | Path, threshold: float = GRAD_SPIKE, *, warmup: int | None = None) -> dict:
+    """After the warm-up (the run's own unless given): the largest gradient norm (before clipping) and how
+    many steps exceeded `threshold`.
 
     Gradient clipping hides these from the loss: a run can explode hundreds of times and still train."""
-    run_dir = Path(run_dir)
-    warmup = warmup_of(run_dir)
-    norms = [m["grad_norm"] for m in read_jsonl(run_dir / "metrics.jsonl") if "grad_norm" in m and m["step"] > warmup]
+    norms = [g for _, g in _grad_norms_after_warmup(Path(run_dir), warmup)]
     return {"peak_grad_norm": max(norms, default=math.nan),
-            "grad_spike_steps": sum(not math.isfinite(g) or g > threshold for g in norms),
+            "grad_spike_steps": sum(_explodes(g, threshold) for g in norms),
             "steps_after_warmup": len(norms)}
+
+
+def first_gradient_explosion(run_dir: str | Path, threshold: float = GRAD_SPIKE) -> int | None:
+    """The first step after the warm-up whose gradient norm exceeds `threshold` (or is not finite)."""
+    return next((step for step, g in _grad_norms_after_warmup(Path(run_dir), None) if _explodes(g, threshold)), None)
 
 
 def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, blowup_margin: float = 1.0) -> WarningReplay:
     """The monitor's rules (`cfg`, else the run's own monitor config, else the defaults) replayed over the logs."""
     run_dir = Path(run_dir)
+    run_cfg = _run_config(run_dir)
     if cfg is None:
-        cfg = load_config(run_dir / "config.toml").monitor if (run_dir / "config.toml").exists() else MonitorConfig()
+        cfg = run_cfg.monitor if run_cfg is not None else MonitorConfig()
     metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     monitor_log = read_jsonl(run_dir / "monitor.jsonl") if (run_dir / "monitor.jsonl").exists() else []
     monitor = Monitor(cfg, _Shape(1), run_dir, enabled=False)
@@ -101,7 +119,7 @@ def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, bl
         event = monitor.check_grad(m["step"], m["grad_norm"])
         if event is not None:
             warnings.append(event)
-    formats = _layer_scores_formats(run_dir)
+    formats = _layer_scores_formats(run_cfg) if run_cfg is not None else None
     for record in monitor_log:
         for layer, stats in enumerate(record["attention"]):
             if stats is None:
@@ -111,7 +129,8 @@ def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, bl
                 warnings += monitor.resolution_events(record["step"], layer, stats["max_score"], formats[layer])
             warnings += monitor.repeated_max_events(record["step"], layer, stats)
     warnings.sort(key=lambda e: e["step"])
-    blowup = blowup_step([(m["step"], m["loss"]) for m in metrics], blowup_margin, after=warmup_of(run_dir))
+    warmup = run_cfg.optim.warmup_steps if run_cfg is not None else 0
+    blowup = blowup_step([(m["step"], m["loss"]) for m in metrics], blowup_margin, after=warmup)
     before = [w["step"] for w in warnings if blowup is None or w["step"] <= blowup]
     first = before[0] if before else None
     return WarningReplay(run=str(run_dir), warnings=warnings, blowup_step=blowup, blowup_margin=blowup_margin,

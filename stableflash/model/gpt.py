@@ -49,7 +49,7 @@ class LayerAttention:
             if getattr(cfg, f"{which}_precision"):
                 policy = policy.with_pass_of(which, getattr(cfg, f"{which}_precision"))
         if cfg.sites:
-            policy = policy.replace(name=policy.name + "+" + ",".join(f"{k}={v}" for k, v in cfg.sites.items()), **cfg.sites)
+            policy = policy.with_sites(**cfg.sites)
         if cfg.heads:
             policy = policy.with_heads(set(cfg.heads), cfg.head_precision)
         stabilize = {

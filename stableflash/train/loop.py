@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from stableflash.model.gpt import GPT, LayerAttention
 from stableflash.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from stableflash.train.config import TrainConfig
+from stableflash.train.config import AttentionConfig, TrainConfig
 from stableflash.train.data import ReplayLog, TokenData, batch_offsets, gather
 from stableflash.train.monitor import Monitor
 from stableflash.train.optim import build_optimizers, set_lr
@@ -261,8 +261,9 @@ class Trainer:
         if action in ("sfa", "rollback"):
             new = LayerAttention.from_config(dataclasses.replace(base, stabilize="sfa"))
         else:
-            new = LayerAttention.from_config(dataclasses.replace(base, precision="fp32", stabilize="none", heads=(),
-                                                                 forward_precision="", backward_precision="", sites={}))
+            # fp32 attention as such: the rounding knobs of the replaced policy mean nothing at fp32
+            new = LayerAttention.from_config(AttentionConfig(backend=base.backend, precision="fp32", tiling=base.tiling,
+                                                             delta=base.delta))
         if action == "rollback" and (self.run_dir / "checkpoint.pt").exists():
             self._load()
         self.model.set_layer_attention(layer, new)

@@ -100,8 +100,8 @@ def _policy(name):
     return {"": policy, "pv32": policy.with_pv_fp32(), "o32": policy.with_o_fp32(),
             "notiling": policy.tiling_off(), "dpp": policy.with_delta("dp_p"),
             "fwdfa2": policy.with_pass_of("forward", "fa2"), "bwdfa2": policy.with_pass_of("backward", "fa2"),
-            "scores32": policy.replace(qk="fp32", scores="fp32", row_max="fp32", lse="fp32"),
-            "lse32": policy.replace(lse="fp32")}[knob]
+            "scores32": policy.with_sites(qk="fp32", scores="fp32", row_max="fp32", lse="fp32"),
+            "lse32": policy.with_sites(lse="fp32")}[knob]
 
 
 @pytest.mark.parametrize("shape", SHAPES[-2:])
