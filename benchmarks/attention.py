@@ -53,9 +53,10 @@ def implementations(num_heads):
 
 
 def measure(fn, shape, mode: str) -> float:
-    """Median milliseconds of fn on fresh random inputs: forward ("fwd"), forward+backward ("fwdbwd"),
-    or the forward replayed from a CUDA graph ("fwd_graph": kernel time without the launch overhead)."""
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=mode == "fwdbwd") for _ in range(3))
+    """Median milliseconds of fn on fresh random inputs: forward ("fwd"), forward+backward ("fwdbwd"), or either
+    replayed from a CUDA graph ("fwd_graph", "fwdbwd_graph": device time without the host's launch work)."""
+    grad = mode.startswith("fwdbwd")
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
     if mode == "fwd":
         with torch.no_grad():
             return triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=200, return_mode="median")
@@ -64,6 +65,10 @@ def measure(fn, shape, mode: str) -> float:
             fn(q, k, v)  # compile and autotune outside the capture
             return triton.testing.do_bench_cudagraph(lambda: fn(q, k, v), rep=200, return_mode="median")
     dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    if mode == "fwdbwd_graph":
+        fn(q, k, v).backward(dout)  # compile and autotune outside the capture
+        return triton.testing.do_bench_cudagraph(lambda: fn(q, k, v).backward(dout), rep=200, grad_to_none=[q, k, v],
+                                                 return_mode="median")
     return triton.testing.do_bench(lambda: fn(q, k, v).backward(dout), warmup=25, rep=200,
                                    grad_to_none=[q, k, v], return_mode="median")
 
@@ -76,7 +81,7 @@ def main():
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     rows = []
-    print(f"{'shape':<22}{'impl':<24}{'fwd':>10}{'fwd+bwd':>10}{'fwd graph':>10}   TFLOP/s")
+    print(f"{'shape':<22}{'impl':<24}{'fwd':>10}{'fwd+bwd':>10}{'fwd graph':>11}{'f+b graph':>11}   TFLOP/s")
     for shape in shapes:
         B, H, T, D = shape
         fwd_flops = 4 * B * H * T * T * D / 2
@@ -85,7 +90,8 @@ def main():
             row = {"shape": list(shape), "impl": name}
             modes = [("fwd_tflops", "fwd", fwd_flops), ("fwdbwd_tflops", "fwdbwd", 3.5 * fwd_flops)]
             if not name.startswith("torch-tiled"):
-                modes.append(("fwd_tflops_cudagraph", "fwd_graph", fwd_flops))
+                modes += [("fwd_tflops_cudagraph", "fwd_graph", fwd_flops),
+                          ("fwdbwd_tflops_cudagraph", "fwdbwd_graph", 3.5 * fwd_flops)]
             for key, mode, flops in modes:
                 try:
                     ms = measure(impls[name], shape, mode)
@@ -96,7 +102,7 @@ def main():
                 torch.cuda.empty_cache()
             rows.append(row)
             print(f"{str(shape):<22}{name:<24}{_fmt(row['fwd_tflops']):>10}{_fmt(row['fwdbwd_tflops']):>10}"
-                  f"{_fmt(row.get('fwd_tflops_cudagraph')):>10}", flush=True)
+                  f"{_fmt(row.get('fwd_tflops_cudagraph')):>11}{_fmt(row.get('fwdbwd_tflops_cudagraph')):>11}", flush=True)
 
     done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -104,7 +110,8 @@ def main():
             "commit": os.environ.get("STABLEFLASH_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None),
             "dtype": "bf16", "causal": True, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
             "flops": "fwd 4*B*H*T^2*D/2, fwd+bwd 3.5x",
-            "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed"}
+            "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed",
+            "fwdbwd_tflops_cudagraph": "forward+backward replayed from a CUDA graph: device time, no host work"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print_summary(rows)

@@ -76,11 +76,30 @@ def call_paths(shape) -> dict:
         out, _, lse, _, _ = ops.forward(q, k, v, True, scale, key, False, 0.0)
         ops.backward(dout, q, k, v, out, lse, True, scale, key)
 
+    class Identity(torch.autograd.Function):
+        """The cheapest Python autograd function: what the engine's hand-off costs by itself."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def single_threaded():
+        with torch.autograd.set_multithreading_enabled(False):
+            ops.FlashAttention.apply(q, k, v, True, scale, key, False, 0.0)[0].backward(dout)
+
     paths = {
+        "python-identity-function+backward": lambda: Identity.apply(q).backward(dout),
         "ops.forward+ops.backward": direct,
+        "FlashAttention.apply+backward, engine on the calling thread": single_threaded,
         "FlashAttention.apply+backward": lambda: ops.FlashAttention.apply(q, k, v, True, scale, key, False, 0.0)[0]
         .backward(dout),
         "flash_attention+backward": lambda: flash_attention(q, k, v, backend="triton").backward(dout),
+        "flash_attention(sfa)+backward": lambda: flash_attention(q, k, v, backend="triton", stabilize=SFA())
+        .backward(dout),
         "sdpa-flash+backward": lambda: _sdpa_flash(q, k, v).backward(dout),
     }
     out = {}
@@ -98,6 +117,28 @@ def call_paths(shape) -> dict:
             paths["flash_attention+backward"]()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18), flush=True)
+    return out
+
+
+def near_variants(shape) -> dict:
+    """Forward TFLOP/s (CUDA-graph replay, the autotuned tile) of SFA and statistics with the repeated-maximum test
+    done two ways: a pair (largest, second largest) reduction (`NEAR=1`, the default) or a maximum and then a count
+    of the scores within eps of it (`NEAR=0`, the earlier kernel)."""
+    B, H, T, D = shape
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    scale = D ** -0.5
+    flops = 4 * B * H * T * T * D / 2
+    out = {}
+    for variant, stab, stats in (("plain", None, False), ("sfa", SFA(), False), ("stats", None, True),
+                                 ("sfa_stats", SFA(), True)):
+        key = _kernel_key(PRESETS["fa2"].cache_key, cache_key(stab), torch.bfloat16, D, T)
+        fwd_meta = ops._meta(key)[1]
+        for near in ((1,) if variant == "plain" else (1, 0)):
+            fwd_meta["NEAR"] = near
+            ms = triton.testing.do_bench_cudagraph(lambda key=key, stats=stats: ops.forward(
+                q, k, v, True, scale, key, stats, 1e-3), rep=100, return_mode="median")
+            out[f"{variant}" + ("" if variant == "plain" else f" near={near}")] = flops / (ms * 1e-3) / 1e12
+        fwd_meta["NEAR"] = 1
     return out
 
 
@@ -175,22 +216,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/attention-tiles-h200.json"))
     parser.add_argument("--shapes", default=None, help="e.g. 16,12,1024,64;4,12,4096,64")
-    parser.add_argument("--paths-only", action="store_true", help="only time the call path layers")
+    parser.add_argument("--parts", default="paths,near,tiles",
+                        help="comma-separated: paths (call-path layers), near (repeated-maximum test variants), "
+                             "tiles (every candidate tile)")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    parts = set(args.parts.split(","))
     rows = []
     for shape in shapes:
         t0 = time.time()
-        paths = call_paths(shape)
-        print(f"== {shape} fwd+bwd ms by call path: " + ", ".join(f"{k} {v:.3f}" for k, v in paths.items()), flush=True)
-        row = {"shape": list(shape)} if args.paths_only else study(shape)
-        row["fwdbwd_ms_by_path"] = paths
+        row = study(shape) if "tiles" in parts else {"shape": list(shape)}
+        if "paths" in parts:
+            row["fwdbwd_ms_by_path"] = paths = call_paths(shape)
+            print(f"== {shape} fwd+bwd ms by call path: " + ", ".join(f"{k} {v:.3f}" for k, v in paths.items()),
+                  flush=True)
+        if "near" in parts:
+            row["fwd_tflops_by_near_test"] = near = near_variants(shape)
+            print(f"== {shape} forward TFLOP/s (graph) by repeated-maximum test: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in near.items()), flush=True)
         rows.append(row)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                  "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")},
                                         "rows": rows}, indent=1))
-        if not args.paths_only:
+        if "tiles" in parts:
             print_tiles(row, time.time() - t0)
 
 

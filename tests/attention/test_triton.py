@@ -4,6 +4,7 @@ Runs on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1
 smaller sizes; `test_triton_interpreter.py` does that in CI). Skipped otherwise.
 """
 
+import functools
 import math
 import os
 
@@ -206,6 +207,22 @@ def test_per_head_override_and_strided_inputs():
     assert torch.equal(ours, contiguous)
     head1 = _attention(q[:, 1:2].contiguous(), k[:, 1:2].contiguous(), v[:, 1:2].contiguous(), precision="fa2")
     assert torch.equal(ours[:, 1:2].float(), head1.float())
+
+
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+def test_outputs_and_gradients_follow_the_inputs_memory_order(precision):
+    """Heads viewed out of (B, T, H·D) activations get O and dQ/dK/dV back in that memory order (so the model's
+    transpose back is free), with the values contiguous inputs give."""
+    B, T, H, D = 2, 77, 3, (16 if INTERPRET else 64)
+    qkv = torch.randn(B, T, 3 * H * D).to(torch.bfloat16).to(DEVICE)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2).requires_grad_() for t in qkv.split(H * D, dim=2))
+    dout = torch.randn(B, T, H, D).to(torch.bfloat16).to(DEVICE).transpose(1, 2)  # as the model's grad arrives
+    fn = functools.partial(_attention, precision=precision)
+    strided = _run(fn, q, k, v, dout)
+    contiguous = _run(fn, *(t.detach().contiguous().requires_grad_() for t in (q, k, v)), dout.contiguous())
+    for name, a, b in zip(["out", "dq", "dk", "dv"], strided, contiguous):
+        assert a.transpose(1, 2).is_contiguous() and b.is_contiguous(), name
+        assert torch.equal(a, b), name
 
 
 def test_repeated_calls_reuse_the_compiled_kernel_and_follow_new_inputs():

@@ -92,10 +92,9 @@ def _dot(a, b, acc, OPS_FP32: tl.constexpr):
 
 
 @triton.jit
-def _sfa_max(rm, rs, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+def _sfa_max(rm, repeated, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
              BOUNDED: tl.constexpr, ROUND_UP_BF16: tl.constexpr):
-    """SFA's row maximum m from the tile maximum rm and near-max count rs (see stabilize.SFA)."""
-    repeated = rs > 1
+    """SFA's row maximum m from the tile maximum rm and whether the row repeats it (see stabilize.SFA)."""
     paper = tl.where(repeated & (rm > 0), BETA * rm, rm)
     paper = tl.where(repeated & (rm < 0), 0.0, paper)
     if BOUNDED:
@@ -154,9 +153,16 @@ def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale,
 
 @triton.jit
 def _near_max(s, rm, eps):
-    """Per row: how many finite scores lie within eps of the row maximum rm."""
+    """Per row: how many finite scores lie within eps of the row maximum rm (emulated path: rm spans a
+    logical tile of several physical ones)."""
     # -inf scores give gap +inf, and a row of -inf gives NaN: neither passes the test
     return tl.sum(((rm[:, None] - s) <= eps).to(tl.int32), 1)
+
+
+@triton.jit
+def _top2(a1, a2, b1, b2):
+    """Combine of a (largest, second largest) pair reduction; a repeated maximum is its own second."""
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
 
 
 @triton.jit
@@ -164,19 +170,26 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
                      m, l, acc, repeated, ones, smax, eps_u, row_ok,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                      STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr,
-                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr):
+                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, NEAR: tl.constexpr):
     """One key tile of the production-FA2 online softmax (base-2 units)."""
     s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
                 False, False, 0, 0)
-    rm = tl.max(s, 1)
-    if STATS or STAB == 1:
-        # near-maxima: s >= rm - eps (a row with no finite score has none)
-        near = (s >= tl.where(rm > float("-inf"), rm - eps_u, float("inf"))[:, None]).to(tl.int32)
-        if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
-            smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
-        if STAB == 1:
-            rs = tl.sum(near, 1)
-            rm = _sfa_max(rm, rs, BETA, LOW, HIGH, BOUNDED, False)
+    if (STATS or STAB == 1) and NEAR == 1:
+        # a row repeats its maximum (within eps) iff its second largest score is that close: one pair
+        # reduction instead of a maximum and then a count against it
+        rm, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
+        near_row = (r2 >= rm - eps_u) & (rm > float("-inf"))
+    else:
+        rm = tl.max(s, 1)
+        if STATS or STAB == 1:
+            # near-maxima: s >= rm - eps (a row with no finite score has none)
+            near = (s >= tl.where(rm > float("-inf"), rm - eps_u, float("inf"))[:, None]).to(tl.int32)
+            near_row = tl.sum(near, 1) > 1
+    if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
+        smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
+        repeated = tl.maximum(repeated, near_row.to(tl.int32))
+    if STAB == 1:
+        rm = _sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
     m_new = tl.maximum(m, rm)
     # rows that have seen no finite score keep m = -inf; shift them by 0 so exp gives 0, not NaN
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -185,15 +198,7 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
         p = tl.minimum(p, CLAMP_CEIL)
     p_op = _cast(p, V.dtype.element_ty)
     if STATS:
-        is_one = (p_op == 1.0).to(tl.int32)
-        if STAB == 1:
-            ones_row = tl.sum(is_one, 1)
-        else:  # both counters from one row reduction: near-maxima in the low 16 bits, P̄ = 1 above
-            packed = tl.sum(near + (is_one << 16), 1)
-            rs = packed & 65535
-            ones_row = packed >> 16
-        repeated = tl.maximum(repeated, (rs > 1).to(tl.int32))
-        ones += ones_row
+        ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
     alpha = tl.math.exp2(m - m_shift)
     l = l * alpha + tl.sum(p, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -210,10 +215,10 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
 def _attn_fwd(
     Q, K, V, O, OS, LSE, STAT_COUNTS, STAT_MAX,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    H, T, scale, eps_u, LT,
+    stride_ob, stride_oh, stride_ot, H, T, scale, eps_u, LT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EMU: tl.constexpr, OPS_FP32: tl.constexpr, SAVE_OS: tl.constexpr,
-    STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+    STAB: tl.constexpr, STATS: tl.constexpr, NEAR: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
     BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TILE_CLAMP: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_ROW_MAX: tl.constexpr, R_SUB: tl.constexpr,
     R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
@@ -248,12 +253,12 @@ def _attn_fwd(
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, row_ok, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL)
+                BOUNDED, CLAMP_CEIL, NEAR)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, row_ok, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL)
+                BOUNDED, CLAMP_CEIL, NEAR)
         empty = m == float("-inf")
         o = acc / tl.where(empty, 1.0, l)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.math.log2(l))  # base 2: the backward's units
@@ -279,7 +284,7 @@ def _attn_fwd(
                 if STATS:
                     repeated = tl.maximum(repeated, (rs > 1).to(tl.int32))
                 if STAB == 1:
-                    rm = _round(_sfa_max(rm, rs, BETA, LOW, HIGH, BOUNDED, R_ROW_MAX == 1), R_ROW_MAX)
+                    rm = _round(_sfa_max(rm, rs > 1, BETA, LOW, HIGH, BOUNDED, R_ROW_MAX == 1), R_ROW_MAX)
             m_new = _round(tl.maximum(rm, m), R_ROW_MAX)
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             # pass 3: P̄, its row sum and P̄V over the logical tile
@@ -315,8 +320,8 @@ def _attn_fwd(
         lse = tl.where(empty, float("-inf"), _round(_round(log_l + m, R_LSE_ADD), R_LSE))
     o = tl.where(empty[:, None], 0.0, o)
 
-    out_off = bh.to(tl.int64) * T * HEAD_DIM
-    o_ptrs = out_off + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    # O (and the fp32 copy) in the memory order the launcher chose: the inputs' order for a model's heads
+    o_ptrs = _head_offset(bh, H, stride_ob, stride_oh) + offs_m[:, None] * stride_ot + offs_d[None, :]
     tl.store(O + o_ptrs, _cast(o, O.dtype.element_ty), mask=row_ok[:, None])
     if SAVE_OS:
         tl.store(OS + o_ptrs, o.to(OS.dtype.element_ty), mask=row_ok[:, None])
@@ -335,19 +340,9 @@ def _attn_fwd(
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _attn_bwd_delta(
-    O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_db, stride_dh, stride_dt, H, T,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, R_MUL: tl.constexpr, R_TERMS: tl.constexpr,
-    R_DELTA: tl.constexpr,
-):
-    """δ = rowsum(dO * O) per row, rounded as the policy says."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o = _load_rows(O + _head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM).to(tl.float32)
-    do = _load_rows(DO + _head_offset(bh, H, stride_db, stride_dh), offs_m, stride_dt, T, HEAD_DIM).to(tl.float32)
-    delta = _round(tl.sum(_round(_round(do * o, R_MUL), R_TERMS), 1), R_DELTA)
-    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+def _row_delta(o, do, R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr):
+    """δ = rowsum(dO * O) of a tile of rows, rounded as the policy says."""
+    return _round(tl.sum(_round(_round(do.to(tl.float32) * o.to(tl.float32), R_MUL), R_TERMS), 1), R_DELTA)
 
 
 @triton.jit
@@ -479,14 +474,14 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, H, T, qk_scale, scale, LQ,
+    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, T, qk_scale, scale, LQ,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EMU: tl.constexpr, OPS_FP32: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
     R_DV: tl.constexpr, R_DK: tl.constexpr,
 ):
-    """dK and dV for one key tile, looping over the query tiles that see it."""
+    """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
@@ -532,7 +527,7 @@ def _attn_bwd_dkdv(
             dk_run = _round(dk_run + _round(_round(dk, R_DK) * scale, R_DK), R_DK)
         dk = dk_run
         dv = dv_run
-    out = bh.to(tl.int64) * T * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    out = _head_offset(bh, H, stride_gb, stride_gh) + offs_n[:, None] * stride_gt + offs_d[None, :]
     tl.store(DK + out, _cast(dk, DK.dtype.element_ty), mask=keys)
     tl.store(DV + out, _cast(dv, DV.dtype.element_ty), mask=keys)
 
@@ -555,16 +550,21 @@ def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_k
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, O, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, H, T, qk_scale, scale, LT,
+    stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
+    H, T, qk_scale, scale, LT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    EMU: tl.constexpr, OPS_FP32: tl.constexpr,
+    EMU: tl.constexpr, OPS_FP32: tl.constexpr, DELTA_HERE: tl.constexpr,
+    R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
     R_DQ: tl.constexpr,
 ):
-    """dQ for one query tile, looping over the key tiles it sees."""
+    """dQ (strides `stride_g*`) for one query tile, looping over the key tiles it sees.
+
+    With DELTA_HERE it first computes its rows' δ = rowsum(dO * O) and stores it for the dK/dV kernel, launched
+    after it: one launch fewer than a separate δ pass."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
@@ -575,7 +575,12 @@ def _attn_bwd_dq(
     q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
     do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
     lse = _load_lse(LSE + row_off, offs_m, T, EMU)
-    delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
+    if DELTA_HERE:
+        o = _load_rows(O + _head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
+        delta = _row_delta(o, do, R_MUL, R_TERMS, R_DELTA)
+        tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
+    else:
+        delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
 
@@ -598,5 +603,5 @@ def _attn_bwd_dq(
                               R_DP, R_DS1, R_DS2, R_DS, R_DS_OP)
             dq_run = _round(dq_run + _round(_round(dq, R_DQ) * scale, R_DQ), R_DQ)
         dq = dq_run
-    out = bh.to(tl.int64) * T * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    out = _head_offset(bh, H, stride_gb, stride_gh) + offs_m[:, None] * stride_gt + offs_d[None, :]
     tl.store(DQ + out, _cast(dq, DQ.dtype.element_ty), mask=rows)

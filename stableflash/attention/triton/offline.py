@@ -23,18 +23,18 @@ _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "OS", "DO", "DK", "DV", "DQ")},
              **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX")}, "STAT_COUNTS": "*i32"}
 _FLOATS = {"scale", "qk_scale", "eps_u"}
-KERNELS = {"fwd": kernels._attn_fwd, "delta": kernels._attn_bwd_delta, "delta_dpp": kernels._attn_bwd_delta_dpp,
-           "dkdv": kernels._attn_bwd_dkdv, "dq": kernels._attn_bwd_dq}
+KERNELS = {"fwd": kernels._attn_fwd, "delta_dpp": kernels._attn_bwd_delta_dpp, "dkdv": kernels._attn_bwd_dkdv,
+           "dq": kernels._attn_bwd_dq}
 
 
 def constexprs(key: str, kernel: str, head_dim: int, config: triton.Config, causal: bool = True,
                stats: bool = False) -> dict:
     """The compile-time arguments `ops` launches `kernel` with, for the registered spec `key` and a tile."""
     _, fwd, delta, bwd, dkdv, dq = ops._meta(key)
-    own = {"fwd": {**fwd, "STATS": stats}, "delta": delta, "delta_dpp": delta,
-           "dkdv": {**bwd, **dkdv}, "dq": {**bwd, **dq}}[kernel]
-    common = {"HEAD_DIM": head_dim} if kernel == "delta" else {"HEAD_DIM": head_dim, "CAUSAL": causal}
-    return {**own, **common, **config.kwargs}
+    if kernel == "delta_dpp" and delta is None:
+        raise ValueError(f"kernel: spec {key!r} computes δ inside the dQ kernel; it has no delta_dpp pass")
+    own = {"fwd": {**fwd, "STATS": stats}, "delta_dpp": delta, "dkdv": {**bwd, **dkdv}, "dq": {**bwd, **dq}}[kernel]
+    return {**own, "HEAD_DIM": head_dim, "CAUSAL": causal, **config.kwargs}
 
 
 def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPUTarget = SM90):

@@ -36,7 +36,6 @@ _DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(32, 128, 4, 5), _cfg(64, 128, 8, 3), 
 _DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 32, 4, 5), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3),
                _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
 _EMU_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
-_DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)
 # the `dp_p` δ pass: one tile, a multiple of the emulated logical tiles' physical tile
 _DELTA_DPP_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
 
@@ -127,21 +126,35 @@ _BWD_CODES = ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP", "R_DS1", "R_DS2", "R
 
 @functools.cache
 def _meta(key: str):
-    """Compile-time arguments of each kernel for one spec, built once (launches are latency-bound at small sizes)."""
+    """Compile-time arguments of each kernel for one spec, built once (launches are latency-bound at small sizes).
+
+    δ: the `dp_p` formula needs every key of a row (its own pass, `delta`); otherwise the dQ kernel computes
+    rowsum(dO * O) for its rows (`delta` is None)."""
     spec = _SPECS[key]
     codes = dict(spec.codes)
     fwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, SAVE_OS=spec.save_fp32_o, STAB=spec.stab,
                BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded, CLAMP_CEIL=spec.clamp_ceiling,
-               TILE_CLAMP=spec.tile_clamp, **{n: codes[n] for n in _FWD_CODES})
+               TILE_CLAMP=spec.tile_clamp, NEAR=1, **{n: codes[n] for n in _FWD_CODES})
     bwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, **{n: codes[n] for n in _BWD_CODES})
+    delta = None
     if spec.delta_dpp:
         delta = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32,
                      **{n: codes[n] for n in ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP", "R_DPP", "R_TERMS", "R_DELTA")})
+        dq = dict(DELTA_HERE=False, R_MUL=0, R_TERMS=0, R_DELTA=0, R_DQ=codes["R_DQ"])
     else:
-        delta = dict(R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"])
+        dq = dict(DELTA_HERE=True, R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"],
+                  R_DQ=codes["R_DQ"])
     dkdv = dict(R_P_OP=codes["R_P_OP"], R_DV=codes["R_DV"], R_DK=codes["R_DK"])
-    dq = dict(R_DQ=codes["R_DQ"])
     return spec, fwd, delta, bwd, dkdv, dq
+
+
+def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty (B, H, T, D) tensor in `t`'s memory order: (B, T, H, D) when `t` is a model's heads viewed out of
+    its (B, T, H·D) activations (the model's transpose back is then free, as with SDPA), else contiguous."""
+    B, H, T, D = t.shape
+    if t.stride(1) < t.stride(2):
+        return t.new_empty(B, T, H, D, dtype=dtype).transpose(1, 2)
+    return t.new_empty(B, H, T, D, dtype=dtype)
 
 
 def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float, tile=None):
@@ -153,8 +166,8 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     spec, meta, *_ = _meta(key)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
-    out = torch.empty(B, H, T, D, dtype=spec.out_dtype, device=q.device)
-    o_saved = torch.empty(B, H, T, D, dtype=torch.float32, device=q.device) if spec.save_fp32_o else out.new_empty(0)
+    out = empty_in_layout_of(q, spec.out_dtype)
+    o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else out.new_empty(0)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     if stats:
         counts = torch.zeros(H, 2, dtype=torch.int32, device=q.device)
@@ -166,36 +179,34 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     eps_u = spec.eps if spec.stab == 1 else stats_eps * units
     _launch(_fwd, kernels._attn_fwd, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
             q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
-            *_strides(q), *_strides(k), *_strides(v), H, T, scale * units, eps_u, spec.logical_n,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u, spec.logical_n,
             **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
     return out, o_saved, lse, counts, smax
 
 
 def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None)):
-    """dQ, dK, dV; `tiles` = (dK/dV config, dQ config) forces the tiles instead of autotuning (benchmarks)."""
+    """dQ, dK, dV (each in its input's memory order); `tiles` = (dK/dV config, dQ config) forces the tiles
+    instead of autotuning (benchmarks)."""
     spec, _, delta_meta, meta, dkdv_meta, dq_meta = _meta(key)
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
     units = 1.0 if spec.emu else LOG2E
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    if spec.delta_dpp:
+    if delta_meta is not None:
         _launch(None, kernels._attn_bwd_delta_dpp, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
                 q, k, v, dout, lse, delta, *strides, H, T, scale * units, spec.logical_n, HEAD_DIM=D, CAUSAL=causal,
                 **delta_meta, config=_DELTA_DPP_CONFIG)
-    else:
-        _launch(None, kernels._attn_bwd_delta, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
-                o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T, HEAD_DIM=D, **delta_meta,
-                config=_DELTA_CONFIG)
-    dq = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
-    dk = torch.empty_like(dq)
-    dv = torch.empty_like(dq)
-    _launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
-            q, k, v, dout, lse, delta, dk, dv, *strides, H, T, scale * units, scale, spec.logical_m,
-            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
+    dq = empty_in_layout_of(q, q.dtype)
+    dk = empty_in_layout_of(k, k.dtype)
+    dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
+    # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
     _launch(_dq, kernels._attn_bwd_dq, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
-            q, k, v, dout, lse, delta, dq, *strides, H, T, scale * units, scale, spec.logical_n,
-            HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
+            q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
+            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
+    _launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
+            q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
+            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
     return dq, dk, dv
 
 
@@ -228,9 +239,9 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
 @flash_fwd.register_fake
 def _(q, k, v, causal, scale, key, stats, stats_eps):
     spec = _SPECS[key]
-    B, H, T, D = q.shape
-    out = q.new_empty(B, H, T, D, dtype=spec.out_dtype)
-    o_saved = q.new_empty(B, H, T, D, dtype=torch.float32) if spec.save_fp32_o else q.new_empty(0)
+    B, H, T, _ = q.shape
+    out = empty_in_layout_of(q, spec.out_dtype)
+    o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else q.new_empty(0)
     return (out, o_saved, q.new_empty(B, H, T, dtype=torch.float32), q.new_empty(H, 2, dtype=torch.int32),
             q.new_empty(H, dtype=torch.float32))
 
@@ -243,8 +254,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 @flash_bwd.register_fake
 def _(dout, q, k, v, o_saved, lse, causal, scale, key):
-    # the kernels write contiguous gradients whatever the inputs' strides
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return empty_in_layout_of(q, q.dtype), empty_in_layout_of(k, k.dtype), empty_in_layout_of(k, v.dtype)
 
 
 def _setup_context(ctx, inputs, output):
