@@ -134,7 +134,7 @@ def _meta(key: str):
     codes = dict(spec.codes)
     fwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, SAVE_OS=spec.save_fp32_o, STAB=spec.stab,
                BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded, CLAMP_CEIL=spec.clamp_ceiling,
-               TILE_CLAMP=spec.tile_clamp, NEAR=1, **{n: codes[n] for n in _FWD_CODES})
+               TILE_CLAMP=spec.tile_clamp, NEAR=1, LAZY=0, ONES=0, **{n: codes[n] for n in _FWD_CODES})
     bwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, **{n: codes[n] for n in _BWD_CODES})
     delta = None
     if spec.delta_dpp:
