@@ -120,53 +120,6 @@ def call_paths(shape) -> dict:
     return out
 
 
-# forward variants of the repeated-maximum test and the statistics (constexprs of `kernels._fwd_native_tile`):
-# NEAR 1 a (largest, second largest) pair reduction, 0 a maximum then a count within eps of it; LAZY 1 exponentiates
-# against the plain maximum and applies SFA's shift as a per-row factor (the test off the exponent's path);
-# ONES 1 counts P̄ = 1 entries inside the row sum's reduction
-NEAR_VARIANTS = {
-    "plain": (None, False, [{}]),
-    "sfa": (SFA(), False, [{"NEAR": 1}, {"NEAR": 0}, {"NEAR": 0, "LAZY": 1}, {"NEAR": 1, "LAZY": 1}]),
-    "stats": (None, True, [{"NEAR": 1}, {"NEAR": 0}, {"NEAR": 1, "ONES": 1}]),
-    "sfa_stats": (SFA(), True, [{"NEAR": 1}, {"NEAR": 0, "LAZY": 1}, {"NEAR": 0, "LAZY": 1, "ONES": 1},
-                                {"NEAR": 1, "ONES": 1}]),
-}
-
-
-def near_variants(shape) -> dict:
-    """Forward TFLOP/s (CUDA-graph replay, the autotuned tile) of each variant in NEAR_VARIANTS, and its largest
-    difference from the default variant's output and counters (a variant must compute the same thing)."""
-    B, H, T, D = shape
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    # every 7th row repeats its maximum (two equal keys, equal to the query): the SFA shift and counters get used
-    k[:, :, 1::7] = k[:, :, 0::7][:, :, :k[:, :, 1::7].shape[2]]
-    q[:, :, 1::7] = k[:, :, 1::7]
-    scale = D ** -0.5
-    flops = 4 * B * H * T * T * D / 2
-    out = {}
-    for variant, (stab, stats, overrides) in NEAR_VARIANTS.items():
-        key = _kernel_key(PRESETS["fa2"].cache_key, cache_key(stab), torch.bfloat16, D, T)
-        fwd_meta = ops._meta(key)[1]
-        default = dict(fwd_meta)
-        first = None
-        for override in overrides:
-            fwd_meta.update(override)
-            run = lambda key=key, stats=stats: ops.forward(q, k, v, True, scale, key, stats, 1e-3)  # noqa: E731
-            got = run()
-            ms = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median")
-            label = variant + "".join(f" {n}={x}" for n, x in override.items())
-            row = {"tflops": flops / (ms * 1e-3) / 1e12}
-            if first is None:
-                first = got
-            else:
-                row["max_abs_diff_out"] = (got[0].float() - first[0].float()).abs().max().item()
-                row["counts_equal"] = bool(torch.equal(got[3], first[3]))
-            out[label] = row
-            fwd_meta.clear()
-            fwd_meta.update(default)
-    return out
-
-
 def _sdpa_flash(q, k, v):
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -241,9 +194,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/attention-tiles-h200.json"))
     parser.add_argument("--shapes", default=None, help="e.g. 16,12,1024,64;4,12,4096,64")
-    parser.add_argument("--parts", default="paths,near,tiles",
-                        help="comma-separated: paths (call-path layers), near (repeated-maximum test variants), "
-                             "tiles (every candidate tile)")
+    parser.add_argument("--parts", default="paths,tiles",
+                        help="comma-separated: paths (call-path layers), tiles (every candidate tile)")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     parts = set(args.parts.split(","))
@@ -255,13 +207,6 @@ def main():
             row["fwdbwd_ms_by_path"] = paths = call_paths(shape)
             print(f"== {shape} fwd+bwd ms by call path: " + ", ".join(f"{k} {v:.3f}" for k, v in paths.items()),
                   flush=True)
-        if "near" in parts:
-            row["fwd_tflops_by_near_test"] = near = near_variants(shape)
-            print(f"== {shape} forward TFLOP/s (graph) by variant: "
-                  + ", ".join(f"{k} {v['tflops']:.0f}" + (f" (diff {v['max_abs_diff_out']:.1e}, counts "
-                                                          f"{'same' if v['counts_equal'] else 'DIFFER'})"
-                                                          if "counts_equal" in v else "")
-                              for k, v in near.items()), flush=True)
         rows.append(row)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

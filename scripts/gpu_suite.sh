@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 6 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles.
 #   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab]...   (default: tests bench)
-# lab: the call-path layers and the repeated-maximum test variants at three shapes (benchmarks/attention_tiles.py)
+# lab: the call-path layers at three shapes (benchmarks/attention_tiles.py)
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -22,7 +22,7 @@ for part in $parts; do
     profile) python3 benchmarks/train_throughput.py --compile --profile --steps 10 --warmup 8 --out "$out/prof" \
                --settings sdpa,triton-fa2,triton-fa2-sfa 2>&1 | tail -12 | tee "$out/train-profile.log"
              cp "$out/prof/train-profile-compiled.json" "$out/" 2>/dev/null; rm -rf "$out/prof" ;;
-    lab) python3 benchmarks/attention_tiles.py --parts paths,near --out "$out/attention-lab.json" \
+    lab) python3 benchmarks/attention_tiles.py --parts paths --out "$out/attention-lab.json" \
            --shapes "16,12,1024,64;4,12,4096,64;4,16,4096,128" 2>&1 | grep -v Warning | tail -60 > "$out/attention-lab.log"
          grep "==" "$out/attention-lab.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;

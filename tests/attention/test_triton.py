@@ -23,7 +23,7 @@ pytestmark = [
 pytest.importorskip("triton")
 DEVICE = "cpu" if INTERPRET else "cuda"
 # (B, H, T, D): odd lengths, ragged last tiles, several tiles per row
-SHAPES = [(1, 2, 77, 16), (1, 2, 130, 64)] if INTERPRET else [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)]
+SHAPES = [(2, 4, 77, 16), (1, 2, 130, 64)] if INTERPRET else [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)]
 
 
 def _attention(q, k, v, **kw):

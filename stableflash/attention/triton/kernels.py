@@ -166,11 +166,6 @@ def _top2(a1, a2, b1, b2):
 
 
 @triton.jit
-def _add2(a1, a2, b1, b2):
-    return a1 + b1, a2 + b2
-
-
-@triton.jit
 def _shift(m):
     """Rows that have seen no finite score keep m = -inf; shift them by 0 so exp gives 0, not NaN."""
     return tl.where(m == float("-inf"), 0.0, m)
@@ -181,50 +176,32 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
                      m, l, acc, repeated, ones, smax, eps_u, row_ok,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                      STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr,
-                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, NEAR: tl.constexpr,
-                     LAZY: tl.constexpr, ONES: tl.constexpr):
+                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr):
     """One key tile of the production-FA2 online softmax (base-2 units)."""
     s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
                 False, False, 0, 0)
-    if (STATS or STAB == 1) and NEAR == 1:
-        # a row repeats its maximum (within eps) iff its second largest score is that close: one pair
-        # reduction instead of a maximum and then a count against it
+    if STATS or STAB == 1:
+        # a row repeats its maximum (within eps) iff its second largest score is that close: one pair reduction
+        # in place of the maximum (measured against a maximum and then a count: docs/kernel-notes.md)
         rm, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
         near_row = (r2 >= rm - eps_u) & (rm > float("-inf"))
     else:
         rm = tl.max(s, 1)
-        if STATS or STAB == 1:
-            # near-maxima: s >= rm - eps (a row with no finite score has none)
-            near = (s >= tl.where(rm > float("-inf"), rm - eps_u, float("inf"))[:, None]).to(tl.int32)
-            near_row = tl.sum(near, 1) > 1
     if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
         smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
         repeated = tl.maximum(repeated, near_row.to(tl.int32))
-    if STAB == 1 and LAZY == 1:
-        # exponentiate against the plain maximum at once; SFA's shift, decided alongside, is a per-row factor
-        plain_shift = _shift(tl.maximum(m, rm))
-        p = tl.math.exp2(s - plain_shift[:, None])
-        m_new = tl.maximum(m, _sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False))
-        m_shift = _shift(m_new)
-        p = p * tl.math.exp2(plain_shift - m_shift)[:, None]
-    else:
-        if STAB == 1:
-            rm = _sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
-        m_new = tl.maximum(m, rm)
-        m_shift = _shift(m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
+    if STAB == 1:
+        rm = _sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
+    m_new = tl.maximum(m, rm)
+    m_shift = _shift(m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
     if STAB == 2:
         p = tl.minimum(p, CLAMP_CEIL)
     p_op = _cast(p, V.dtype.element_ty)
-    if STATS and ONES == 1:  # the P̄ = 1 count rides on the row sum's reduction
-        row_sum, ones_row = tl.reduce((p, (p_op == 1.0).to(tl.float32)), 1, _add2)
-        ones += ones_row.to(tl.int32)
-    else:
-        row_sum = tl.sum(p, 1)
-        if STATS:
-            ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
+    if STATS:
+        ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
     alpha = tl.math.exp2(m - m_shift)
-    l = l * alpha + row_sum
+    l = l * alpha + tl.sum(p, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     v_ptrs = V + v_off + offs_n[:, None] * stride_vt + tl.arange(0, HEAD_DIM)[None, :]
     if MASKED:
@@ -242,8 +219,7 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_ot, H, T, scale, eps_u, LT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EMU: tl.constexpr, OPS_FP32: tl.constexpr, SAVE_OS: tl.constexpr,
-    STAB: tl.constexpr, STATS: tl.constexpr, NEAR: tl.constexpr, LAZY: tl.constexpr, ONES: tl.constexpr,
-    BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+    STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
     BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TILE_CLAMP: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_ROW_MAX: tl.constexpr, R_SUB: tl.constexpr,
     R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
@@ -278,12 +254,12 @@ def _attn_fwd(
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, row_ok, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL, NEAR, LAZY, ONES)
+                BOUNDED, CLAMP_CEIL)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, row_ok, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL, NEAR, LAZY, ONES)
+                BOUNDED, CLAMP_CEIL)
         empty = m == float("-inf")
         o = acc / tl.where(empty, 1.0, l)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.math.log2(l))  # base 2: the backward's units
@@ -311,7 +287,7 @@ def _attn_fwd(
                 if STAB == 1:
                     rm = _round(_sfa_max(rm, rs > 1, BETA, LOW, HIGH, BOUNDED, R_ROW_MAX == 1), R_ROW_MAX)
             m_new = _round(tl.maximum(rm, m), R_ROW_MAX)
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            m_shift = _shift(m_new)
             # pass 3: P̄, its row sum and P̄V over the logical tile
             tile_sum = tl.zeros((BLOCK_M,), tl.float32)
             pv = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)

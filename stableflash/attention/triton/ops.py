@@ -8,6 +8,7 @@ implementations that only describe output shapes.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -134,7 +135,7 @@ def _meta(key: str):
     codes = dict(spec.codes)
     fwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, SAVE_OS=spec.save_fp32_o, STAB=spec.stab,
                BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded, CLAMP_CEIL=spec.clamp_ceiling,
-               TILE_CLAMP=spec.tile_clamp, NEAR=1, LAZY=0, ONES=0, **{n: codes[n] for n in _FWD_CODES})
+               TILE_CLAMP=spec.tile_clamp, **{n: codes[n] for n in _FWD_CODES})
     bwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, **{n: codes[n] for n in _BWD_CODES})
     delta = None
     if spec.delta_dpp:
@@ -152,7 +153,7 @@ def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An empty (B, H, T, D) tensor in `t`'s memory order: (B, T, H, D) when `t` is a model's heads viewed out of
     its (B, T, H·D) activations (the model's transpose back is then free, as with SDPA), else contiguous."""
     B, H, T, D = t.shape
-    if t.stride(1) < t.stride(2):
+    if t.stride(1) < t.stride(2) and not os.environ.get("STABLEFLASH_CONTIGUOUS_OUTPUTS"):  # TEMPORARY: A/B on the GPU
         return t.new_empty(B, T, H, D, dtype=dtype).transpose(1, 2)
     return t.new_empty(B, H, T, D, dtype=dtype)
 
