@@ -253,11 +253,15 @@ def test_unsupported_arguments_name_the_argument():
         backend.check(q[..., :32], resolve("paper").with_delta("do_o_recomputed"), None)
 
 
-def test_custom_op_traces_without_graph_breaks():
+@pytest.mark.parametrize("layout", ["contiguous", "model heads"])
+def test_custom_op_traces_without_graph_breaks(layout):
     from stableflash.attention.triton import ops
     from stableflash.attention.triton.spec import build_spec
 
     q, k, v = _inputs((2, 3, 200, 64))
+    if layout == "model heads":  # views of one (B, T, 3·H·D) tensor, as GPT makes them: outputs come back strided
+        qkv = torch.cat([t.detach().transpose(1, 2).reshape(2, 200, 3 * 64) for t in (q, k, v)], dim=2)
+        q, k, v = (t.view(2, 200, 3, 64).transpose(1, 2).requires_grad_() for t in qkv.split(3 * 64, dim=2))
     key = ops.register_spec(build_spec(resolve("paper"), SFA(), torch.bfloat16, 200))
     if not INTERPRET:  # opcheck's fake-tensor and autograd checks (it re-runs the op many times)
         torch.library.opcheck(ops.flash_fwd, (q, k, v, True, 0.125, key, True, 1e-3))
