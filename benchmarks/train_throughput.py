@@ -58,10 +58,10 @@ def main():
     if args.profile:
         return profile_settings(args, shape)
     rows = []
-    for name in args.settings.split(","):
+    for index, name in enumerate(args.settings.split(",")):  # a setting may repeat (interleaved repeats)
         steps = args.steps if not name.startswith("reference") else max(args.warmup + 10, args.steps // 4)
         cfg = load_config("quick-gpu", [*shape, f"run.max_steps={steps}", *SETTINGS[name], *args.overrides])
-        run_dir = args.out / "runs" / name
+        run_dir = args.out / "runs" / f"{index}-{name}"
         started = time.time()
         train(cfg, run_dir)
         metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
