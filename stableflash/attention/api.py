@@ -51,7 +51,7 @@ def _math_attention(q, k, v, scale, causal, stats):
         B, H, T, _ = q.shape
         finite = torch.where(torch.isfinite(s), s, -math.inf)
         pbar = torch.exp(s - torch.where(torch.isneginf(rm), 0.0, rm))
-        stats.add(slice(None), rows=torch.full((H,), B * T, dtype=torch.int64, device=q.device),
+        stats.add(slice(None), rows=B * T,
                   repeated_max_rows=repeated.sum(dim=(0, 2)), pbar_ones=(pbar == 1).sum(dim=(0, 2, 3)),
                   max_score=finite.float().amax(dim=(0, 2, 3)))
     else:

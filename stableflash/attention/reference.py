@@ -188,7 +188,7 @@ def forward(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize
         lse[:, :, i0:i0 + bm] = r.site("lse", r.ew(torch.add, log_l, m)).masked_fill(empty, -math.inf)
 
     if stats is not None:
-        stats.add(heads, rows=torch.full((H,), B * T, dtype=torch.int64, device=device),
+        stats.add(heads, rows=B * T,
                   repeated_max_rows=repeated.sum(dim=(0, 2, 3)), pbar_ones=ones, max_score=max_score)
     return out, (out if o_saved is None else o_saved), lse
 

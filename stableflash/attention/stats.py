@@ -49,8 +49,16 @@ class AttentionStats:
                 setattr(self, name, getattr(self, name).to(device))
 
     def add(self, heads: torch.Tensor | slice, rows, repeated_max_rows, pbar_ones, max_score) -> None:
-        """Accumulate per-head counts for the head indices `heads`."""
-        self._to(rows.device)
+        """Accumulate per-head counts for the heads `heads` (a slice or an index tensor); `rows` may be one number
+        for every head. With a slice, each counter is one in-place kernel: this runs after every attention call,
+        and at small sizes its launches cost more host time than the kernels they follow."""
+        self._to(max_score.device)
+        if isinstance(heads, slice):
+            self.rows[heads] += rows
+            self.repeated_max_rows[heads] += repeated_max_rows
+            self.pbar_ones[heads] += pbar_ones
+            self.max_score[heads].clamp_min_(max_score.float())
+            return
         self.rows[heads] += rows
         self.repeated_max_rows[heads] += repeated_max_rows
         self.pbar_ones[heads] += pbar_ones

@@ -87,6 +87,5 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
     else:
         out, counts, smax = ops.FlashAttention.apply(*args)
     if stats is not None:
-        stats.add(heads, rows=torch.full((H,), B * T, dtype=torch.int64, device=q.device),
-                  repeated_max_rows=counts[:, 0].long(), pbar_ones=counts[:, 1].long(), max_score=smax)
+        stats.add(heads, rows=B * T, repeated_max_rows=counts[:, 0], pbar_ones=counts[:, 1], max_score=smax)
     return out

@@ -8,7 +8,6 @@ implementations that only describe output shapes.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -153,7 +152,7 @@ def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An empty (B, H, T, D) tensor in `t`'s memory order: (B, T, H, D) when `t` is a model's heads viewed out of
     its (B, T, H·D) activations (the model's transpose back is then free, as with SDPA), else contiguous."""
     B, H, T, D = t.shape
-    if t.stride(1) < t.stride(2) and not os.environ.get("STABLEFLASH_CONTIGUOUS_OUTPUTS"):  # TEMPORARY: A/B on the GPU
+    if t.stride(1) < t.stride(2):
         return t.new_empty(B, T, H, D, dtype=dtype).transpose(1, 2)
     return t.new_empty(B, H, T, D, dtype=dtype)
 
