@@ -53,16 +53,13 @@ class AttentionStats:
         for every head. With a slice, each counter is one in-place kernel: this runs after every attention call,
         and at small sizes its launches cost more host time than the kernels they follow."""
         self._to(max_score.device)
-        if isinstance(heads, slice):
-            self.rows[heads] += rows
-            self.repeated_max_rows[heads] += repeated_max_rows
-            self.pbar_ones[heads] += pbar_ones
-            self.max_score[heads].clamp_min_(max_score.float())
-            return
         self.rows[heads] += rows
         self.repeated_max_rows[heads] += repeated_max_rows
         self.pbar_ones[heads] += pbar_ones
-        self.max_score[heads] = torch.maximum(self.max_score[heads], max_score.float())
+        if isinstance(heads, slice):  # a view: update it in place
+            self.max_score[heads].clamp_min_(max_score.float())
+        else:
+            self.max_score[heads] = torch.maximum(self.max_score[heads], max_score.float())
 
     def check(self, num_heads: int) -> None:
         if self.num_heads != num_heads:

@@ -96,3 +96,16 @@ def test_sfa_in_tiles_counts_ties_within_a_tile():
     stats = AttentionStats(4)
     flash_attention(q, k, v, causal=False, precision=policy, stabilize=SFA(), backend="reference", stats=stats)
     assert stats.pbar_ones.sum().item() == 0
+
+
+def test_stats_accumulate_over_calls_on_head_slices_and_index_heads():
+    stats = AttentionStats(3)
+    stats.add(slice(None), rows=10, repeated_max_rows=torch.tensor([1, 0, 2], dtype=torch.int32),
+              pbar_ones=torch.tensor([3, 3, 3]), max_score=torch.tensor([0.5, -1.0, 2.0]))
+    stats.add(torch.tensor([2, 0]), rows=4, repeated_max_rows=torch.tensor([1, 1]), pbar_ones=torch.tensor([0, 5]),
+              max_score=torch.tensor([1.0, 7.0]))
+    assert stats.rows.tolist() == [14, 10, 14]
+    assert stats.repeated_max_rows.tolist() == [2, 0, 3]
+    assert stats.pbar_ones.tolist() == [8, 3, 3]
+    assert stats.max_score.tolist() == [7.0, -1.0, 2.0]
+    assert stats.rows.dtype == stats.pbar_ones.dtype == torch.int64
