@@ -573,15 +573,15 @@ def _attn_bwd_dq(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m[:, None] < T
-    q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
     do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
-    lse = _load_lse(LSE + row_off, offs_m, T, EMU)
-    if DELTA_HERE:
+    if DELTA_HERE:  # before Q is loaded: fewer tiles live at once
         o = _load_rows(O + _head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
         delta = _row_delta(o, do, R_MUL, R_TERMS, R_DELTA)
         tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
     else:
         delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
+    q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
+    lse = _load_lse(LSE + row_off, offs_m, T, EMU)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
 
