@@ -58,11 +58,21 @@ def _max_err(a, b):
     return (a.detach().cpu().double() - b.detach().cpu().double()).abs().max().item()
 
 
+def _assert_within_twice_the_reference(name, ours, ref, exact, dtype):
+    """flash-attention's rule: max |ours - exact| <= 2 max |ref - exact| + atol. Its atol is the rounding of the
+    reference's format at the tensor's scale; ours stores bf16/fp16 results, so the atol is one ulp of that format
+    at the exact tensor's largest entry. Without it, fresh draws at (2, 4, 77, 16) broke the bare 2x in 2 of 2,400
+    comparisons on correct code; with it, none did, the worst (error - atol) being 0.63x the reference's."""
+    largest = exact.abs().max().item()
+    atol = 2.0 ** math.floor(math.log2(largest)) * torch.finfo(dtype).eps if largest > 0 else 0.0
+    err, ref_err = _max_err(ours, exact), _max_err(ref, exact)
+    assert err <= 2 * ref_err + atol, (name, err, ref_err, atol)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fa2_within_twice_the_reference_error(shape, causal, dtype):
-    # flash-attention's own rule: |kernel - fp64| <= 2 |reference at the same precision - fp64| (+ tiny)
     q, k, v = _inputs(shape, dtype)
     dout = torch.randn(shape, device=DEVICE).to(dtype)
     ours = _run(lambda *t: _attention(*t, causal=causal), q, k, v, dout)
@@ -72,7 +82,7 @@ def test_fa2_within_twice_the_reference_error(shape, causal, dtype):
     exact = [exact_out.detach(), *torch.autograd.grad(exact_out, leaves, dout.cpu().double())]
     for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
         assert torch.isfinite(a).all(), name
-        assert _max_err(a, e) <= 2 * _max_err(r, e) + 1e-5, (name, _max_err(a, e), _max_err(r, e))
+        _assert_within_twice_the_reference(name, a, r, e, dtype)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -88,7 +98,7 @@ def test_fa2_with_the_dp_p_delta_within_twice_the_reference_error(causal):
     exact_out = f(*leaves)
     exact = [exact_out.detach(), *torch.autograd.grad(exact_out, leaves, dout.cpu().double())]
     for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
-        assert _max_err(a, e) <= 2 * _max_err(r, e) + 1e-5, (name, _max_err(a, e), _max_err(r, e))
+        _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
 
 
 EMULATED = ["paper", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp", "bf16+fwdfa2", "bf16+bwdfa2",
