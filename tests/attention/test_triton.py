@@ -13,6 +13,7 @@ import torch
 
 from stableflash import SFA, AttentionStats, ClampPbar, flash_attention
 from stableflash.attention.precision import resolve
+from stableflash.numerics.formats import get_format
 from tests.attention.conftest import rel_err, tied_inputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,8 +64,7 @@ def _assert_within_twice_the_reference(name, ours, ref, exact, dtype):
     reference's format at the tensor's scale; ours stores bf16/fp16 results, so the atol is one ulp of that format
     at the exact tensor's largest entry. Without it, fresh draws at (2, 4, 77, 16) broke the bare 2x in 2 of 2,400
     comparisons on correct code; with it, none did, the worst (error - atol) being 0.63x the reference's."""
-    largest = exact.abs().max().item()
-    atol = 2.0 ** math.floor(math.log2(largest)) * torch.finfo(dtype).eps if largest > 0 else 0.0
+    atol = get_format(dtype).ulp(exact.abs().max().item())
     err, ref_err = _max_err(ours, exact), _max_err(ref, exact)
     assert err <= 2 * ref_err + atol, (name, err, ref_err, atol)
 

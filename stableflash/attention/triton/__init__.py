@@ -79,7 +79,7 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
-    B, H, T, D = q.shape
+    B, _, T, D = q.shape
     key = _kernel_key(policy.cache_key, stab_module.cache_key(stabilize), q.dtype, D, T)
     args = (q, k, v, causal, float(scale), key, stats is not None, float(stats.eps) if stats is not None else 0.0)
     if torch.compiler.is_compiling():

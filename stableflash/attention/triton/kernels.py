@@ -173,7 +173,7 @@ def _shift(m):
 
 @triton.jit
 def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale,
-                     m, l, acc, repeated, ones, smax, eps_u, row_ok,
+                     m, l, acc, repeated, ones, smax, eps_u,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                      STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr,
                      HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr):
@@ -253,12 +253,12 @@ def _attn_fwd(
         for start_n in range(0, free, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
-                ones, smax, eps_u, row_ok, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH,
+                ones, smax, eps_u, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH,
                 BOUNDED, CLAMP_CEIL)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
-                ones, smax, eps_u, row_ok, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW, HIGH,
+                ones, smax, eps_u, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW, HIGH,
                 BOUNDED, CLAMP_CEIL)
         empty = m == float("-inf")
         o = acc / tl.where(empty, 1.0, l)[:, None]
