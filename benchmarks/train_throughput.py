@@ -8,6 +8,9 @@ the GPU was busy), the attention kernels' share, and the top kernels.
 
     python benchmarks/train_throughput.py --out results/train-smoke-h200 --steps 200
     python benchmarks/train_throughput.py --out OUT --compile --profile --steps 10 --settings sdpa,triton-fa2
+
+A triton setting with the suffix `-opaque` (e.g. `triton-fa2-opaque`) runs the kernels as opaque custom ops under
+torch.compile instead of letting inductor launch them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from stableflash.attention.triton import ops
 from stableflash.train.config import load_config
 from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl
@@ -36,6 +40,13 @@ SETTINGS = {
     "triton-fa2-sfa": ["attention.backend=triton", "attention.precision=fa2", "attention.stabilize=sfa"],
     "triton-paper": ["attention.backend=triton", "attention.precision=paper"],
 }
+OPAQUE = "-opaque"
+"""Suffix of a triton setting: under torch.compile keep the kernels opaque to inductor (`ops.TRACEABLE = False`)."""
+
+
+def _overrides(name: str) -> list[str]:
+    ops.TRACEABLE = not name.endswith(OPAQUE)
+    return SETTINGS[name.removesuffix(OPAQUE)]
 
 
 def main():
@@ -60,7 +71,7 @@ def main():
     rows = []
     for index, name in enumerate(args.settings.split(",")):  # a setting may repeat (interleaved repeats)
         steps = args.steps if not name.startswith("reference") else max(args.warmup + 10, args.steps // 4)
-        cfg = load_config("quick-gpu", [*shape, f"run.max_steps={steps}", *SETTINGS[name], *args.overrides])
+        cfg = load_config("quick-gpu", [*shape, f"run.max_steps={steps}", *_overrides(name), *args.overrides])
         run_dir = args.out / "runs" / f"{index}-{name}"
         started = time.time()
         train(cfg, run_dir)
@@ -122,7 +133,7 @@ def profile_steps(trainer: Trainer, warmup: int, steps: int) -> dict:
 def profile_settings(args, shape):
     rows = []
     for name in args.settings.split(","):
-        cfg = load_config("quick-gpu", [*shape, *SETTINGS[name], *args.overrides])
+        cfg = load_config("quick-gpu", [*shape, *_overrides(name), *args.overrides])
         trainer = Trainer(cfg, args.out / "runs" / name)
         rows.append({"setting": name, **profile_steps(trainer, args.warmup, args.steps)})
         del trainer

@@ -1,7 +1,7 @@
 """Fused Triton flash attention: the `backend="triton"` of `flash_attention`.
 
-`attention(...)` runs the forward and backward kernels of `kernels.py` through the
-`stableflash::flash_fwd` / `flash_bwd` custom ops (so `torch.compile` traces them),
+`attention(...)` runs the forward and backward kernels of `kernels.py` (eagerly through
+an `autograd.Function`; under `torch.compile` through `torch.library` ops, see `ops.py`),
 with the numerics of a `Precision` (`spec.py`), SFA or ClampPbar, and optional
 in-kernel statistics.
 """
@@ -83,7 +83,7 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
     key = _kernel_key(policy.cache_key, stab_module.cache_key(stabilize), q.dtype, D, T)
     args = (q, k, v, causal, float(scale), key, stats is not None, float(stats.eps) if stats is not None else 0.0)
     if torch.compiler.is_compiling():
-        out, _, _, counts, smax = ops.flash_fwd(*args)
+        out, _, _, counts, smax = ops.compiled_forward_op()(*args)
     else:
         out, counts, smax = ops.FlashAttention.apply(*args)
     if stats is not None:

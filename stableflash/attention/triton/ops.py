@@ -1,8 +1,13 @@
-"""Launchers and `torch.library` custom ops around the fused kernels.
+"""Launchers and `torch.library` ops around the fused kernels.
 
 The ops take the kernel specialisation as a string key (registered by
-`register_spec`), so `torch.compile` traces them as opaque nodes with fake
-implementations that only describe output shapes.
+`register_spec`). Two pairs:
+- `flash_fwd` / `flash_bwd` (`custom_op`): opaque to `torch.compile`, with fake
+  implementations that only describe output shapes; used under the interpreter;
+- `flash_fwd_traced` / `flash_bwd_traced` (`triton_op`): on a GPU, inductor traces
+  into them and launches the kernels from its own generated code (no Python op
+  per call: the compiled model's host work per attention call drops to that of
+  any inductor kernel). `TRACEABLE = False` falls back to the opaque pair.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import functools
 
 import torch
 import triton
+from torch.library import triton_op, wrap_triton
 
 from stableflash.attention.triton import kernels
 from stableflash.attention.triton.spec import INTERPRET, LOG2E, PHYSICAL_TILE, KernelSpec
@@ -111,6 +117,25 @@ def _launch(tuned, plain, grid, *args, config=None, **meta):
     _launches(tuned, plain, grid, args, meta, config)
 
 
+def _traced_launch(tuned, plain, grid, *args, config=None, **meta):
+    """`_launch` through `wrap_triton`: under torch.compile the kernel becomes a node of the graph (inductor
+    autotunes it over the same candidate tiles and launches it itself); eagerly, a plain Triton launch."""
+    if config is None:
+        wrap_triton(tuned)[grid](*args, **meta)
+    else:
+        wrap_triton(plain)[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                                                num_stages=config.num_stages)
+
+
+# experiment knobs (extra compile-time arguments per kernel); ORDER 2 swaps the grid's axes
+_EXTRA: dict[str, dict] = {"fwd": {}, "dq": {}, "dkdv": {}}
+
+
+def _grid(which, T, block, BH):
+    tiles = triton.cdiv(T, block)
+    return (BH, tiles) if _EXTRA[which].get("ORDER", 0) == 2 else (tiles, BH)
+
+
 def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -157,7 +182,7 @@ def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.new_empty(B, H, T, D, dtype=dtype)
 
 
-def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float, tile=None):
+def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float, tile=None, launch=_launch):
     """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,2) int32, max (H,) fp32).
 
     lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
@@ -177,14 +202,14 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
         smax = torch.empty(0, dtype=torch.float32, device=q.device)
     units = 1.0 if spec.emu else LOG2E
     eps_u = spec.eps if spec.stab == 1 else stats_eps * units
-    _launch(_fwd, kernels._attn_fwd, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+    launch(_fwd, kernels._attn_fwd, lambda m: _grid("fwd", T, m["BLOCK_M"], B * H),
             q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u, spec.logical_n,
-            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
+            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, **_EXTRA["fwd"], config=tile)
     return out, o_saved, lse, counts, smax
 
 
-def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None)):
+def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None), launch=_launch):
     """dQ, dK, dV (each in its input's memory order); `tiles` = (dK/dV config, dQ config) forces the tiles
     instead of autotuning (benchmarks)."""
     spec, _, delta_meta, meta, dkdv_meta, dq_meta = _meta(key)
@@ -194,19 +219,20 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     if delta_meta is not None:
-        _launch(None, kernels._attn_bwd_delta_dpp, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+        launch(None, kernels._attn_bwd_delta_dpp, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
                 q, k, v, dout, lse, delta, *strides, H, T, scale * units, spec.logical_n, HEAD_DIM=D, CAUSAL=causal,
                 **delta_meta, config=_DELTA_DPP_CONFIG)
     dq = empty_in_layout_of(q, q.dtype)
     dk = empty_in_layout_of(k, k.dtype)
     dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
-    _launch(_dq, kernels._attn_bwd_dq, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+    launch(_dq, kernels._attn_bwd_dq, lambda m: _grid("dq", T, m["BLOCK_M"], B * H),
             q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
-            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
-    _launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
+            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, **_EXTRA["dq"],
+            config=tiles[1])
+    launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: _grid("dkdv", T, m["BLOCK_N"], B * H),
             q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
-            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
+            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, **_EXTRA["dkdv"], config=tiles[0])
     return dq, dk, dv
 
 
@@ -228,11 +254,18 @@ class FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-# -- torch.library custom ops -------------------------------------------------------------------
+# -- torch.library ops ------------------------------------------------------------------------------
+
+TRACEABLE = True
+"""Under torch.compile on a GPU, use the `triton_op` pair (inductor launches the kernels); False: the opaque pair."""
+
+_FwdOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_BwdOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 @torch.library.custom_op("stableflash::flash_fwd", mutates_args=())
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, key: str,
-              stats: bool, stats_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              stats: bool, stats_eps: float) -> _FwdOutputs:
     return forward(q, k, v, causal, scale, key, stats, stats_eps)
 
 
@@ -248,7 +281,7 @@ def _(q, k, v, causal, scale, key, stats, stats_eps):
 
 @torch.library.custom_op("stableflash::flash_bwd", mutates_args=())
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_saved: torch.Tensor,
-              lse: torch.Tensor, causal: bool, scale: float, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              lse: torch.Tensor, causal: bool, scale: float, key: str) -> _BwdOutputs:
     return backward(dout, q, k, v, o_saved, lse, causal, scale, key)
 
 
@@ -272,3 +305,32 @@ def _backward(ctx, dout, *_):
 
 
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# triton_op: the function is also the fake implementation (it only allocates and launches), and under
+# torch.compile it is traced into, so inductor sees each `wrap_triton` launch
+@triton_op("stableflash::flash_fwd_traced", mutates_args=())
+def flash_fwd_traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, key: str,
+                     stats: bool, stats_eps: float) -> _FwdOutputs:
+    return forward(q, k, v, causal, scale, key, stats, stats_eps, launch=_traced_launch)
+
+
+@triton_op("stableflash::flash_bwd_traced", mutates_args=())
+def flash_bwd_traced(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_saved: torch.Tensor,
+                     lse: torch.Tensor, causal: bool, scale: float, key: str) -> _BwdOutputs:
+    return backward(dout, q, k, v, o_saved, lse, causal, scale, key, launch=_traced_launch)
+
+
+def _backward_traced(ctx, dout, *_):
+    q, k, v, o_saved, lse = ctx.saved_tensors
+    dq, dk, dv = flash_bwd_traced(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.key)
+    return dq, dk, dv, None, None, None, None, None
+
+
+flash_fwd_traced.register_autograd(_backward_traced, setup_context=_setup_context)
+
+
+def compiled_forward_op():
+    """The forward op for traced (torch.compile) code: the `triton_op` on a GPU, the opaque op under the
+    interpreter (there inductor cannot launch kernels) or when `TRACEABLE` is off."""
+    return flash_fwd_traced if TRACEABLE and not INTERPRET else flash_fwd
