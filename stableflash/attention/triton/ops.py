@@ -96,7 +96,7 @@ class _Launches:
             else:
                 compiled = plain[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                                       num_stages=config.num_stages)
-            values = {**meta, **config.all_kwargs()}
+            values = {**{p.name: p.default for p in plain.params}, **meta, **config.all_kwargs()}
             self.cache[key] = (compiled, config.kwargs, tuple(values[n] for n in plain.arg_names[len(args):]))
             return
         compiled, tile, constexprs = hit
