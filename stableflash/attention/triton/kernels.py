@@ -122,23 +122,6 @@ def _head_offset(bh, H, stride_b, stride_h):
     return (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
 
 
-@triton.jit
-def _program(ORDER: tl.constexpr, HEAVY_HIGH: tl.constexpr):
-    """(tile index, batch·head) of this program. ORDER 0: grid (tiles, heads); 1: the same, tiles reversed when the
-    high ones are the heavy ones (causal: the forward's and dQ's); 2: grid (heads, tiles), heavy tiles first."""
-    if ORDER == 2:
-        tile = tl.program_id(1)
-        bh = tl.program_id(0)
-        count = tl.num_programs(1)
-    else:
-        tile = tl.program_id(0)
-        bh = tl.program_id(1)
-        count = tl.num_programs(0)
-    if ORDER != 0 and HEAVY_HIGH:
-        tile = count - 1 - tile
-    return tile, bh
-
-
 # ------------------------------------------------------------------------------------------------
 # forward
 # ------------------------------------------------------------------------------------------------
@@ -242,9 +225,10 @@ def _attn_fwd(
     R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
     R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_DIV: tl.constexpr,
-    R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, ORDER: tl.constexpr = 0, WS: tl.constexpr = False,
+    R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr,
 ):
-    pid_m, bh = _program(ORDER, CAUSAL)
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
     h = bh % H
     q_off = _head_offset(bh, H, stride_qb, stride_qh)
     k_off = _head_offset(bh, H, stride_kb, stride_kh)
@@ -266,7 +250,7 @@ def _attn_fwd(
     if not EMU:
         # blocks left of the diagonal (causal) or before the ragged end need no mask
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
-        for start_n in tl.range(0, free, BLOCK_N, warp_specialize=WS):
+        for start_n in range(0, free, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH,
@@ -496,10 +480,11 @@ def _attn_bwd_dkdv(
     EMU: tl.constexpr, OPS_FP32: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
-    R_DV: tl.constexpr, R_DK: tl.constexpr, ORDER: tl.constexpr = 0, WS: tl.constexpr = False,
+    R_DV: tl.constexpr, R_DK: tl.constexpr,
 ):
     """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it."""
-    pid_n, bh = _program(ORDER, False)
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
     q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
                                                         stride_vb, stride_vh, stride_dob, stride_doh)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -519,7 +504,7 @@ def _attn_bwd_dkdv(
             dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, False, False,
                                 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-        for start_m in tl.range(diag_end, free_end, BLOCK_M, warp_specialize=WS):
+        for start_m in range(diag_end, free_end, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, False, False, False,
                                 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -575,13 +560,14 @@ def _attn_bwd_dq(
     R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
-    R_DQ: tl.constexpr, ORDER: tl.constexpr = 0, WS: tl.constexpr = False,
+    R_DQ: tl.constexpr,
 ):
     """dQ (strides `stride_g*`) for one query tile, looping over the key tiles it sees.
 
     With DELTA_HERE it first computes its rows' δ = rowsum(dO * O) and stores it for the dK/dV kernel, launched
     after it: one launch fewer than a separate δ pass."""
-    pid_m, bh = _program(ORDER, CAUSAL)
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
     q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
                                                         stride_vb, stride_vh, stride_dob, stride_doh)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -601,7 +587,7 @@ def _attn_bwd_dq(
 
     if not EMU:
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
-        for start_n in tl.range(0, free, BLOCK_N, warp_specialize=WS):
+        for start_n in range(0, free, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq,
                           BLOCK_N, HEAD_DIM, CAUSAL, False, False, False, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         for start_n in range(free, hi, BLOCK_N):

@@ -127,15 +127,6 @@ def _traced_launch(tuned, plain, grid, *args, config=None, **meta):
                                                 num_stages=config.num_stages)
 
 
-# experiment knobs (extra compile-time arguments per kernel); ORDER 2 swaps the grid's axes
-_EXTRA: dict[str, dict] = {"fwd": {}, "dq": {}, "dkdv": {}}
-
-
-def _grid(which, T, block, BH):
-    tiles = triton.cdiv(T, block)
-    return (BH, tiles) if _EXTRA[which].get("ORDER", 0) == 2 else (tiles, BH)
-
-
 def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -202,10 +193,10 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
         smax = torch.empty(0, dtype=torch.float32, device=q.device)
     units = 1.0 if spec.emu else LOG2E
     eps_u = spec.eps if spec.stab == 1 else stats_eps * units
-    launch(_fwd, kernels._attn_fwd, lambda m: _grid("fwd", T, m["BLOCK_M"], B * H),
+    launch(_fwd, kernels._attn_fwd, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
             q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u, spec.logical_n,
-            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, **_EXTRA["fwd"], config=tile)
+            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
     return out, o_saved, lse, counts, smax
 
 
@@ -226,13 +217,12 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
     dk = empty_in_layout_of(k, k.dtype)
     dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
-    launch(_dq, kernels._attn_bwd_dq, lambda m: _grid("dq", T, m["BLOCK_M"], B * H),
+    launch(_dq, kernels._attn_bwd_dq, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
             q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
-            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, **_EXTRA["dq"],
-            config=tiles[1])
-    launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: _grid("dkdv", T, m["BLOCK_N"], B * H),
+            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
+    launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
             q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
-            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, **_EXTRA["dkdv"], config=tiles[0])
+            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
     return dq, dk, dv
 
 
