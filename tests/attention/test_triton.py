@@ -282,7 +282,10 @@ def test_ops_trace_without_graph_breaks(layout, precision, path, monkeypatch):
     key = ops.register_spec(build_spec(resolve(precision), SFA(), torch.bfloat16, 200))
     if not INTERPRET:  # opcheck's fake-tensor and autograd checks (it re-runs the op many times)
         op = ops.flash_fwd_traced if path == "traced" else ops.flash_fwd
-        torch.library.opcheck(op, (q, k, v, True, 0.125, key, True, 1e-3))
+        checks = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        if path == "traced" and precision == "fa2":  # traced, the kernel is autotuned anew: maybe another tile
+            checks = checks[:3]  # (so other bits); compared with a tolerance below instead
+        torch.library.opcheck(op, (q, k, v, True, 0.125, key, True, 1e-3), test_utils=checks)
 
     sfa = SFA()  # policies and stabilizers are built outside compiled code, as the model does
 

@@ -111,6 +111,13 @@ def _sfa_max(rm, repeated, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.const
 
 
 @triton.jit
+def _fp32(x):
+    """A float argument in fp32: Triton passes Python floats as fp32, but inductor (launching the traced ops) as
+    fp64, which would promote every score computed with it."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def _load_rows(ptr, offs, stride_t, T, HEAD_DIM: tl.constexpr):
     """A (len(offs), HEAD_DIM) tile of rows `offs` of one head; rows past T read as 0."""
     return tl.load(ptr + offs[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :], mask=offs[:, None] < T, other=0.0)
@@ -227,6 +234,7 @@ def _attn_fwd(
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_DIV: tl.constexpr,
     R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr,
 ):
+    scale, eps_u = _fp32(scale), _fp32(eps_u)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     h = bh % H
@@ -425,6 +433,7 @@ def _attn_bwd_delta_dpp(
 ):
     """δ = rowsum(dP ∘ P) (the `dp_p` formula) for one query tile: P and dP recomputed over every visible
     key, summed per logical key tile and added up with the policy's rounding, as the reference does."""
+    qk_scale = _fp32(qk_scale)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
@@ -483,6 +492,7 @@ def _attn_bwd_dkdv(
     R_DV: tl.constexpr, R_DK: tl.constexpr,
 ):
     """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it."""
+    qk_scale, scale = _fp32(qk_scale), _fp32(scale)
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
@@ -566,6 +576,7 @@ def _attn_bwd_dq(
 
     With DELTA_HERE it first computes its rows' δ = rowsum(dO * O) and stores it for the dK/dV kernel, launched
     after it: one launch fewer than a separate δ pass."""
+    qk_scale, scale = _fp32(qk_scale), _fp32(scale)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     q_off, k_off, v_off, do_off, row_off = _bwd_offsets(bh, H, T, stride_qb, stride_qh, stride_kb, stride_kh,
