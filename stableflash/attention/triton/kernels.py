@@ -183,7 +183,8 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
                      m, l, acc, repeated, ones, smax, eps_u,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                      STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr,
-                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr):
+                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr,
+                     ONES_GUARD: tl.constexpr = False):
     """One key tile of the production-FA2 online softmax (base-2 units)."""
     s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
                 False, False, 0, 0)
@@ -197,6 +198,7 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
     if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
         smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
         repeated = tl.maximum(repeated, near_row.to(tl.int32))
+    tile_max = rm
     if STAB == 1:
         rm = _sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
     m_new = tl.maximum(m, rm)
@@ -206,7 +208,19 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
         p = tl.minimum(p, CLAMP_CEIL)
     p_op = _cast(p, V.dtype.element_ty)
     if STATS:
-        ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
+        if ONES_GUARD:
+            # P̄ rounds to 1 only within ~0.003 (base 2) of the shift: unless some row's second largest score is
+            # that close, only each row's maximum can, and one exp2 per row decides it (the same value as its
+            # entry of p). One reduction over the rows decides for the tile.
+            if tl.max((r2 >= m_shift - 0.01).to(tl.int32), 0) > 0:
+                ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
+            else:
+                top = tl.math.exp2(tile_max - m_shift)
+                if STAB == 2:
+                    top = tl.minimum(top, CLAMP_CEIL)
+                ones += (_cast(top, V.dtype.element_ty) == 1.0).to(tl.int32)
+        else:
+            ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
     alpha = tl.math.exp2(m - m_shift)
     l = l * alpha + tl.sum(p, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -232,11 +246,15 @@ def _attn_fwd(
     R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
     R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_DIV: tl.constexpr,
-    R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr,
+    R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, ONES_GUARD: tl.constexpr = False, ORDER: tl.constexpr = 0,
 ):
     scale, eps_u = _fp32(scale), _fp32(eps_u)
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    if ORDER == 2:  # grid (heads, tiles), heaviest causal tiles first
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1) if CAUSAL else tl.program_id(1)
+        bh = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
     h = bh % H
     q_off = _head_offset(bh, H, stride_qb, stride_qh)
     k_off = _head_offset(bh, H, stride_kb, stride_kh)
@@ -262,12 +280,12 @@ def _attn_fwd(
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL)
+                BOUNDED, CLAMP_CEIL, ONES_GUARD)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL)
+                BOUNDED, CLAMP_CEIL, ONES_GUARD)
         empty = m == float("-inf")
         o = acc / tl.where(empty, 1.0, l)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.math.log2(l))  # base 2: the backward's units

@@ -127,6 +127,10 @@ def _traced_launch(tuned, plain, grid, *args, config=None, **meta):
                                                 num_stages=config.num_stages)
 
 
+# experiment knobs for the forward (extra compile-time arguments); ORDER 2 swaps the grid's axes
+_FWD_EXTRA: dict = {}
+
+
 def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -193,10 +197,12 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
         smax = torch.empty(0, dtype=torch.float32, device=q.device)
     units = 1.0 if spec.emu else LOG2E
     eps_u = spec.eps if spec.stab == 1 else stats_eps * units
-    launch(_fwd, kernels._attn_fwd, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+    swap = _FWD_EXTRA.get("ORDER", 0) == 2
+    launch(_fwd, kernels._attn_fwd, lambda m: (B * H, triton.cdiv(T, m["BLOCK_M"])) if swap else
+           (triton.cdiv(T, m["BLOCK_M"]), B * H),
             q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u, spec.logical_n,
-            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
+            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, **_FWD_EXTRA, config=tile)
     return out, o_saved, lse, counts, smax
 
 
