@@ -207,6 +207,28 @@ def test_stats_match_the_reference_and_count_ties(T, causal):
     assert sfa.pbar_ones.tolist() == sfa_ref.pbar_ones.tolist() == ([1, 1] if causal else [0, 0])
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_pbar_one_counts_on_random_rows_match_the_reference_with_the_same_tiles(causal):
+    """P̄ = 1 entries of random rows: each row's maximum wherever a key tile raises the running maximum, plus near-ties.
+    The kernel counts per score only on tiles where some row's second largest score is near the maximum (one exp2
+    per row elsewhere); with copied keys some tiles take each branch. Counts depend on the key tiles, so the kernel
+    runs 64-key tiles and the reference the `fa2` preset with 64-key tiles."""
+    from stableflash.attention.triton import ops
+    from stableflash.attention.triton.spec import build_spec
+
+    D = 16 if INTERPRET else 64
+    q, k, v = (t.detach() for t in _inputs((2, 3, 200, D)))
+    k[:, :, 150:170] = k[:, :, 20:40]  # ties across tiles for the rows whose maximum is among keys 20..39
+    k[:, :, 56:64] = k[:, :, 48:56]  # ties within the first tile: its per-score count
+    key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, 200))
+    _, _, _, counts, _ = ops.forward(q, k, v, causal, D**-0.5, key, True, 1e-3, tile=ops._cfg(64, 64, 4, 2))
+    ref = AttentionStats(3)
+    flash_attention(q, k, v, causal=causal, precision=resolve("fa2").replace(block_m=64, block_n=64),
+                    backend="reference", stats=ref)
+    assert counts[:, 1].tolist() == ref.pbar_ones.tolist()
+    assert min(ref.pbar_ones.tolist()) > 2 * 200  # at least one per row (its first maximum), and ties on top
+
+
 def test_per_head_override_and_strided_inputs():
     B, T, H, D = 2, 77, 3, (16 if INTERPRET else 64)
     qkv = torch.randn(B, T, 3 * H * D).to(torch.bfloat16).to(DEVICE)
