@@ -196,12 +196,14 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
         smax = torch.empty(0, dtype=torch.float32, device=q.device)
     units = 1.0 if spec.emu else LOG2E
     eps_u = spec.eps if spec.stab == 1 else stats_eps * units
-    heads_first = meta["HEADS_FIRST"]
-    launch(_fwd, kernels._attn_fwd, lambda m: (B * H, triton.cdiv(T, m["BLOCK_M"])) if heads_first else
-           (triton.cdiv(T, m["BLOCK_M"]), B * H),
-            q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u, spec.logical_n,
-            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
+
+    def grid(m):  # (heads, query tiles) for SFA's native kernel (see `_meta`), else (query tiles, heads)
+        tiles = triton.cdiv(T, m["BLOCK_M"])
+        return (B * H, tiles) if meta["HEADS_FIRST"] else (tiles, B * H)
+
+    launch(_fwd, kernels._attn_fwd, grid, q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
+           *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u, spec.logical_n,
+           **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
     return out, o_saved, lse, counts, smax
 
 
@@ -216,18 +218,18 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     if delta_meta is not None:
         launch(None, kernels._attn_bwd_delta_dpp, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
-                q, k, v, dout, lse, delta, *strides, H, T, scale * units, spec.logical_n, HEAD_DIM=D, CAUSAL=causal,
-                **delta_meta, config=_DELTA_DPP_CONFIG)
+               q, k, v, dout, lse, delta, *strides, H, T, scale * units, spec.logical_n, HEAD_DIM=D, CAUSAL=causal,
+               **delta_meta, config=_DELTA_DPP_CONFIG)
     dq = empty_in_layout_of(q, q.dtype)
     dk = empty_in_layout_of(k, k.dtype)
     dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
     launch(_dq, kernels._attn_bwd_dq, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
-            q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
-            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
+           q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
+           scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
     launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
-            q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
-            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
+           q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
+           HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
     return dq, dk, dv
 
 
