@@ -1,8 +1,9 @@
-"""The kernels compile for the H200 (sm_90) on any machine, no GPU needed.
+"""The kernels compile for the H200 (sm_90) on any machine, no GPU needed, and every launch gives each
+kernel parameter a value.
 
 Guards what the interpreter cannot see: Triton's compiler rejected the fp32-operand variant on the GPU
 (an early `return` under a constexpr `if` left a bf16 dot of fp32 operands in the compiled code), while
-the interpreter ran it fine.
+the interpreter ran it fine; and the GPU launch cache once failed on a parameter left at its default.
 """
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from stableflash import SFA  # noqa: E402
 from stableflash.attention.precision import resolve  # noqa: E402
 from stableflash.attention.triton import ops  # noqa: E402
 from stableflash.attention.triton.offline import compile_kernel, constexprs, resource_usage  # noqa: E402
@@ -28,3 +30,26 @@ def test_kernel_compiles_for_sm90(policy, kernel, config):
     key = ops.register_spec(build_spec(pol, None, torch.bfloat16, 1000))
     usage = resource_usage(compile_kernel(kernel, constexprs(key, kernel, 64, config), config))
     assert 0 < usage["registers"] <= 255
+
+
+@pytest.mark.parametrize("precision,stabilize,stats", [("fa2", None, False), ("fa2", "sfa", True),
+                                                       ("paper", "sfa", True), ("paper+dp_p", None, False)])
+def test_every_launch_gives_each_kernel_parameter_a_value(precision, stabilize, stats):
+    """The contract the GPU launch cache and inductor's tracing rely on (neither runs under the interpreter): each
+    launch passes the kernel's runtime arguments positionally and every compile-time one by name, the tile or a
+    default. Checked on recorded launches, without running a kernel."""
+    policy = resolve("paper").with_delta("dp_p") if precision == "paper+dp_p" else resolve(precision)
+    key = ops.register_spec(build_spec(policy, SFA() if stabilize else None, torch.bfloat16, 100))
+    launches = []
+    record = lambda tuned, plain, grid, *args, config=None, **meta: launches.append((plain, grid, args, meta, config))  # noqa: E731
+    q, k, v, dout = (torch.randn(2, 3, 100, 16, dtype=torch.bfloat16) for _ in range(4))
+    out, _, lse, _, _ = ops.forward(q, k, v, True, 0.25, key, stats, 1e-3, launch=record)
+    ops.backward(dout, q, k, v, out, lse, True, 0.25, key, launch=record)
+    assert len(launches) == (4 if precision == "paper+dp_p" else 3)
+    for plain, grid, args, meta, config in launches:
+        tile = config or ops._cfg(64, 64, 4, 3)
+        assert not [p.name for p in plain.params[:len(args)] if p.is_constexpr], "a compile-time argument passed by position"
+        assert set(meta) <= set(plain.arg_names), "an argument the kernel does not take"
+        assert len(ops.trailing_constexprs(plain, len(args), meta, tile)) == len(plain.arg_names) - len(args)
+        dims = grid(tile.kwargs)
+        assert len(dims) == 2 and all(isinstance(d, int) and d > 0 for d in dims)

@@ -67,6 +67,15 @@ _dkdv = _tuned(kernels._attn_bwd_dkdv, _DKDV_CONFIGS)
 _dq = _tuned(kernels._attn_bwd_dq, _DQ_CONFIGS)
 
 
+def trailing_constexprs(plain, num_args: int, meta: dict, config: triton.Config) -> tuple:
+    """The values of `plain`'s parameters after its first `num_args`, in order, as the compiled kernel's launcher
+    takes them: from `meta`, the tile, or the parameter's default. A KeyError names a parameter left without one."""
+    values = {p.name: p.default for p in plain.params if p.has_default}
+    values.update(meta)
+    values.update(config.all_kwargs())
+    return tuple(values[name] for name in plain.arg_names[num_args:])
+
+
 class _Launches:
     """Launches a kernel with as little host work as possible once its tile is known.
 
@@ -96,8 +105,7 @@ class _Launches:
             else:
                 compiled = plain[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                                       num_stages=config.num_stages)
-            values = {**{p.name: p.default for p in plain.params}, **meta, **config.all_kwargs()}
-            self.cache[key] = (compiled, config.kwargs, tuple(values[n] for n in plain.arg_names[len(args):]))
+            self.cache[key] = (compiled, config.kwargs, trailing_constexprs(plain, len(args), meta, config))
             return
         compiled, tile, constexprs = hit
         g = grid(tile)
