@@ -44,7 +44,8 @@ OPAQUE = "-opaque"
 """Suffix of a triton setting: under torch.compile keep the kernels opaque to inductor (`ops.TRACEABLE = False`)."""
 
 
-def _overrides(name: str) -> list[str]:
+def _apply_setting(name: str) -> list[str]:
+    """The setting's config overrides; sets `ops.TRACEABLE` for it (read when the model is compiled)."""
     ops.TRACEABLE = not name.endswith(OPAQUE)
     return SETTINGS[name.removesuffix(OPAQUE)]
 
@@ -71,7 +72,7 @@ def main():
     rows = []
     for index, name in enumerate(args.settings.split(",")):  # a setting may repeat (interleaved repeats)
         steps = args.steps if not name.startswith("reference") else max(args.warmup + 10, args.steps // 4)
-        cfg = load_config("quick-gpu", [*shape, f"run.max_steps={steps}", *_overrides(name), *args.overrides])
+        cfg = load_config("quick-gpu", [*shape, f"run.max_steps={steps}", *_apply_setting(name), *args.overrides])
         run_dir = args.out / "runs" / f"{index}-{name}"
         started = time.time()
         train(cfg, run_dir)
@@ -133,7 +134,7 @@ def profile_steps(trainer: Trainer, warmup: int, steps: int) -> dict:
 def profile_settings(args, shape):
     rows = []
     for name in args.settings.split(","):
-        cfg = load_config("quick-gpu", [*shape, *_overrides(name), *args.overrides])
+        cfg = load_config("quick-gpu", [*shape, *_apply_setting(name), *args.overrides])
         trainer = Trainer(cfg, args.out / "runs" / name)
         rows.append({"setting": name, **profile_steps(trainer, args.warmup, args.steps)})
         del trainer

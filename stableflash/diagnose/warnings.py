@@ -68,10 +68,13 @@ def _run_config(run_dir: Path):
     return load_config(config) if config.exists() else None
 
 
+def _warmup_steps(cfg) -> int:
+    return cfg.optim.warmup_steps if cfg is not None else 0
+
+
 def warmup_of(run_dir: Path) -> int:
     """The run's warm-up steps (0 for a folder without its config.toml)."""
-    cfg = _run_config(run_dir)
-    return cfg.optim.warmup_steps if cfg is not None else 0
+    return _warmup_steps(_run_config(run_dir))
 
 
 GRAD_SPIKE = 100.0
@@ -129,8 +132,7 @@ def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, bl
                 warnings += monitor.resolution_events(record["step"], layer, stats["max_score"], formats[layer])
             warnings += monitor.repeated_max_events(record["step"], layer, stats)
     warnings.sort(key=lambda e: e["step"])
-    warmup = run_cfg.optim.warmup_steps if run_cfg is not None else 0
-    blowup = blowup_step([(m["step"], m["loss"]) for m in metrics], blowup_margin, after=warmup)
+    blowup = blowup_step([(m["step"], m["loss"]) for m in metrics], blowup_margin, after=_warmup_steps(run_cfg))
     before = [w["step"] for w in warnings if blowup is None or w["step"] <= blowup]
     first = before[0] if before else None
     return WarningReplay(run=str(run_dir), warnings=warnings, blowup_step=blowup, blowup_margin=blowup_margin,
