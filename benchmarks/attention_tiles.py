@@ -190,71 +190,12 @@ def study(shape):
     return row
 
 
-def graph_ms(fn) -> float:
-    """Median device milliseconds of fn replayed from a CUDA graph (no host work); fn runs once first, to compile."""
-    fn()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-
-
-def dq_atomic_study(shape):
-    """The one-kernel backward (dQ by atomics) against the two-kernel one and cuDNN's backward, all from CUDA graphs;
-    each of its candidate tiles; how far its dQ lies from the two-kernel dQ; and the forward at extra tiles."""
-    B, H, T, D = shape
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    scale = D ** -0.5
-    plain = _kernel_key(PRESETS["fa2"].cache_key, None, torch.bfloat16, D, T)
-    sfa = _kernel_key(PRESETS["fa2"].cache_key, cache_key(SFA()), torch.bfloat16, D, T)
-    flops = 4 * B * H * T * T * D / 2
-    tf = lambda ms, mult=1.0: mult * flops / (ms * 1e-3) / 1e12  # noqa: E731
-    out, _, lse, _, _ = ops.forward(q, k, v, True, scale, plain, False, 0.0)
-    two = lambda: ops.backward(dout, q, k, v, out, lse, True, scale, plain)  # noqa: E731
-    one = lambda tile=None: ops.backward(dout, q, k, v, out, lse, True, scale, plain, tiles=(tile, None),  # noqa: E731
-                                         dq_atomic=True)
-    row = {"shape": list(shape), "bwd_tflops": {"two_kernel": tf(graph_ms(two), 2.5), "dq_atomic": tf(graph_ms(one), 2.5)}}
-    row["dq_atomic_pick"] = name(ops._dkdv_dq.best_config)
-    a, b = two(), one()
-    row["max_abs_diff_over_max"] = {n: ((x.float() - y.float()).abs().max() / x.float().abs().max()).item()
-                                    for n, x, y in zip(("dq", "dk", "dv"), a, b)}
-    row["dq_atomic_by_tile"] = {}
-    for c in ops._DKDV_DQ_CONFIGS:
-        try:
-            row["dq_atomic_by_tile"][name(c)] = tf(graph_ms(lambda c=c: one(c)), 2.5)
-        except Exception as error:  # noqa: BLE001 - a tile that does not compile is a result
-            row["dq_atomic_by_tile"][name(c)] = str(error).splitlines()[0][:120]
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
-        row["bwd_tflops"]["sdpa_cudnn"] = tf(graph_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), dout,
-                                                                                  retain_graph=True)), 2.5)
-        row["fwd_tflops_sdpa_cudnn"] = tf(graph_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
-    row["fwd_tflops_by_tile"] = {}
-    for c in FWD + [cfg(128, 64, 8, 4), cfg(128, 128, 8, 2), cfg(64, 64, 4, 4), cfg(128, 32, 4, 4)]:
-        for variant, key in (("plain", plain), ("sfa", sfa)):
-            try:
-                ms = graph_ms(lambda key=key, c=c: ops.forward(q, k, v, True, scale, key, False, 0.0, tile=c))
-                row["fwd_tflops_by_tile"][f"{variant} {name(c)}"] = tf(ms)
-            except Exception as error:  # noqa: BLE001
-                row["fwd_tflops_by_tile"][f"{variant} {name(c)}"] = str(error).splitlines()[0][:120]
-    return row
-
-
-def print_dq_atomic(row):
-    bwd = row["bwd_tflops"]
-    print(f"\n== {tuple(row['shape'])} bwd TFLOP/s (graph): two-kernel {bwd['two_kernel']:.0f}, dq-atomic "
-          f"{bwd['dq_atomic']:.0f} (pick {row['dq_atomic_pick']}), cuDNN {bwd['sdpa_cudnn']:.0f}; rel. diff "
-          + ", ".join(f"{k} {v:.1e}" for k, v in row["max_abs_diff_over_max"].items()))
-    print("  dq-atomic by tile: " + "  ".join(f"{k}: {_f(x)}" for k, x in row["dq_atomic_by_tile"].items()))
-    print(f"  fwd by tile (cuDNN fwd {row['fwd_tflops_sdpa_cudnn']:.0f}): "
-          + "  ".join(f"{k}: {_f(x)}" for k, x in row["fwd_tflops_by_tile"].items()), flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/attention-tiles-h200.json"))
     parser.add_argument("--shapes", default=None, help="e.g. 16,12,1024,64;4,12,4096,64")
     parser.add_argument("--parts", default="paths,tiles",
-                        help="comma-separated: paths (call-path layers), tiles (every candidate tile), "
-                             "dq_atomic (the one-kernel backward against the two-kernel one, and extra forward tiles)")
+                        help="comma-separated: paths (call-path layers), tiles (every candidate tile)")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     parts = set(args.parts.split(","))
@@ -262,9 +203,6 @@ def main():
     for shape in shapes:
         t0 = time.time()
         row = study(shape) if "tiles" in parts else {"shape": list(shape)}
-        if "dq_atomic" in parts:
-            row.update(dq_atomic_study(shape))
-            print_dq_atomic(row)
         if "paths" in parts:
             row["fwdbwd_ms_by_path"] = paths = call_paths(shape)
             print(f"== {shape} fwd+bwd ms by call path: " + ", ".join(f"{k} {v:.3f}" for k, v in paths.items()),

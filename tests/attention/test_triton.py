@@ -85,27 +85,6 @@ def test_fa2_within_twice_the_reference_error(shape, causal, dtype):
         _assert_within_twice_the_reference(name, a, r, e, dtype)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("causal", [True, False])
-def test_fa2_with_dq_by_atomics_within_twice_the_reference_error(shape, causal, monkeypatch):
-    # the one-kernel backward (dQ added by atomics): the same rule as the two-kernel one
-    from stableflash.attention.triton import ops
-    monkeypatch.setattr(ops, "DQ_ATOMIC", True)
-    q, k, v = _inputs(shape)
-    dout = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
-    one_kernel, launched = ops._backward_dq_atomic, []
-    monkeypatch.setattr(ops, "_backward_dq_atomic", lambda *a: launched.append(1) or one_kernel(*a))
-    ours = _run(lambda *t: _attention(*t, causal=causal), q, k, v, dout)
-    assert launched, "the one-kernel backward did not run"
-    ref = _run(lambda *t: flash_attention(*t, causal=causal, precision="fa2", backend="reference"), q, k, v, dout)
-    f, leaves = _fp64(q, k, v, causal)
-    exact_out = f(*leaves)
-    exact = [exact_out.detach(), *torch.autograd.grad(exact_out, leaves, dout.cpu().double())]
-    for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
-        assert torch.isfinite(a).all(), name
-        _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_fa2_with_the_dp_p_delta_within_twice_the_reference_error(causal):
     # δ = rowsum(dP ∘ P) recomputed over the keys (the isolation study's δ formula) in native numerics

@@ -369,21 +369,6 @@ def _row_delta(o, do, R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.co
 
 
 @triton.jit
-def _attn_bwd_delta(
-    O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, H, T,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
-):
-    """δ = rowsum(dO * O) for one tile of rows: the one-kernel backward's first pass (the two-kernel backward
-    computes it inside its dQ kernel)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o = _load_rows(O + _head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
-    do = _load_rows(DO + _head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
-    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, _row_delta(o, do, R_MUL, R_TERMS, R_DELTA), mask=offs_m < T)
-
-
-@triton.jit
 def _bwd_probs_t(k, q, lse, offs_n, offs_m, T, scale,
                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, EMU: tl.constexpr, OPS_FP32: tl.constexpr,
                  R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr):
@@ -486,13 +471,10 @@ def _attn_bwd_delta_dpp(
 
 @triton.jit
 def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt, stride_dot, qk_scale,
-               dk, dv, DQ_ACC, dq_off, stride_at, scale,
-               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-               EMU: tl.constexpr, OPS_FP32: tl.constexpr, DQ_ATOMIC: tl.constexpr, R_QK: tl.constexpr,
-               R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr,
-               R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr):
-    """dK and dV of one key tile from one query tile; with DQ_ATOMIC also this pair's share of dQ, added to the
-    fp32 accumulator DQ_ACC (FA2's one-kernel backward: five matmuls per tile pair instead of seven)."""
+               dk, dv, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
+               R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr, R_DP: tl.constexpr,
+               R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
     do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
@@ -508,30 +490,22 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
     if OPS_FP32:
         dk = _dot(_round(dst, R_DS_OP), q, dk, True)
     else:
-        ds_op = _cast(dst, q.dtype)
-        dk = _dot(ds_op, q, dk, False)
-        if DQ_ATOMIC:  # native numerics only
-            dq = _dot(tl.trans(ds_op), k, tl.zeros((BLOCK_M, HEAD_DIM), tl.float32), False) * scale
-            dq_ptrs = DQ_ACC + dq_off + offs_m[:, None] * stride_at + tl.arange(0, HEAD_DIM)[None, :]
-            tl.atomic_add(dq_ptrs, dq, mask=offs_m[:, None] < T, sem="relaxed")
+        dk = _dot(_cast(dst, q.dtype), q, dk, False)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+    Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, stride_ab, stride_ah, stride_at,
-    H, T, qk_scale, scale, LQ,
+    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, T, qk_scale, scale, LQ,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    EMU: tl.constexpr, OPS_FP32: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    EMU: tl.constexpr, OPS_FP32: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
     R_DV: tl.constexpr, R_DK: tl.constexpr,
 ):
-    """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it; with
-    DQ_ATOMIC (native numerics) also dQ, added into the zeroed fp32 DQ_ACC (strides `stride_a*`) by atomics, whose
-    order varies from run to run."""
+    """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it."""
     qk_scale, scale = _fp32(qk_scale), _fp32(scale)
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -545,7 +519,6 @@ def _attn_bwd_dkdv(
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    dq_off = _head_offset(bh, H, stride_ab, stride_ah)
 
     if not EMU:
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
@@ -553,16 +526,16 @@ def _attn_bwd_dkdv(
         free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
         for start_m in range(lo, diag_end, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, DQ_ACC, dq_off, stride_at, scale, BLOCK_M, HEAD_DIM,
-                                CAUSAL, True, False, False, DQ_ATOMIC, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                                stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, False, False,
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         for start_m in range(diag_end, free_end, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, DQ_ACC, dq_off, stride_at, scale, BLOCK_M, HEAD_DIM,
-                                CAUSAL, False, False, False, DQ_ATOMIC, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                                stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, False, False, False,
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         for start_m in range(free_end, T, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, DQ_ACC, dq_off, stride_at, scale, BLOCK_M, HEAD_DIM,
-                                CAUSAL, True, False, False, DQ_ATOMIC, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                                stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, False, False,
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         dk = dk * scale
     else:
         # accumulate each logical query tile in fp32, then round and add it as the reference does
@@ -573,9 +546,8 @@ def _attn_bwd_dkdv(
             dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
             for start_m in range(tl.maximum(lq, lo), tl.minimum(lq + LQ, T), BLOCK_M):
                 dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                    stride_dot, qk_scale, dk, dv, DQ_ACC, dq_off, stride_at, scale, BLOCK_M, HEAD_DIM,
-                                    CAUSAL, True, True, OPS_FP32, False, R_QK, R_SCORES, R_P_SUB, R_P, R_P_OP, R_DP,
-                                    R_DS1, R_DS2, R_DS, R_DS_OP)
+                                    stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, True, OPS_FP32,
+                                    R_QK, R_SCORES, R_P_SUB, R_P, R_P_OP, R_DP, R_DS1, R_DS2, R_DS, R_DS_OP)
             dv_run = _round(dv_run + _round(dv, R_DV), R_DV)
             dk_run = _round(dk_run + _round(_round(dk, R_DK) * scale, R_DK), R_DK)
         dk = dk_run

@@ -21,10 +21,10 @@ from stableflash.attention.triton import kernels, ops
 SM90 = GPUTarget("cuda", 90, 32)
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "OS", "DO", "DK", "DV", "DQ")},
-             **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX", "DQ_ACC")}, "STAT_COUNTS": "*i32"}
+             **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX")}, "STAT_COUNTS": "*i32"}
 _FLOATS = {"scale", "qk_scale", "eps_u"}
 KERNELS = {"fwd": kernels._attn_fwd, "delta_dpp": kernels._attn_bwd_delta_dpp, "dkdv": kernels._attn_bwd_dkdv,
-           "dq": kernels._attn_bwd_dq, "dkdv_dq": kernels._attn_bwd_dkdv}
+           "dq": kernels._attn_bwd_dq}
 
 
 def constexprs(key: str, kernel: str, head_dim: int, config: triton.Config, causal: bool = True,
@@ -33,8 +33,7 @@ def constexprs(key: str, kernel: str, head_dim: int, config: triton.Config, caus
     _, fwd, delta, bwd, dkdv, dq = ops._meta(key)
     if kernel == "delta_dpp" and delta is None:
         raise ValueError(f"kernel: spec {key!r} computes δ inside the dQ kernel; it has no delta_dpp pass")
-    own = {"fwd": {**fwd, "STATS": stats}, "delta_dpp": delta, "dkdv": {**bwd, **dkdv, "DQ_ATOMIC": False},
-           "dq": {**bwd, **dq}, "dkdv_dq": {**bwd, **dkdv, "DQ_ATOMIC": True}}[kernel]
+    own = {"fwd": {**fwd, "STATS": stats}, "delta_dpp": delta, "dkdv": {**bwd, **dkdv}, "dq": {**bwd, **dq}}[kernel]
     return {**own, "HEAD_DIM": head_dim, "CAUSAL": causal, **config.kwargs}
 
 

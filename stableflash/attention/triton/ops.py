@@ -41,9 +41,6 @@ _DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(32, 128, 4, 5), _cfg(64, 128, 8, 3), 
                  _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)]
 _DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 32, 4, 5), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3),
                _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
-_DKDV_DQ_CONFIGS = [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3),
-                    _cfg(64, 64, 4, 2), _cfg(32, 128, 4, 3)]
-_DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=1)  # rows per program of the δ pass
 _EMU_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
 # the `dp_p` δ pass: one tile, a multiple of the emulated logical tiles' physical tile
 _DELTA_DPP_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
@@ -67,8 +64,6 @@ def _tuned(kernel, configs, reset=(), extra_key=()):
 
 _fwd = _tuned(kernels._attn_fwd, _FWD_CONFIGS, reset=("STAT_COUNTS",), extra_key=("STAB", "STATS"))
 _dkdv = _tuned(kernels._attn_bwd_dkdv, _DKDV_CONFIGS)
-# the one-kernel backward adds dQ with atomics: autotuning's repeated runs must start from zero
-_dkdv_dq = _tuned(kernels._attn_bwd_dkdv, _DKDV_DQ_CONFIGS, reset=("DQ_ACC",), extra_key=("DQ_ATOMIC",))
 _dq = _tuned(kernels._attn_bwd_dq, _DQ_CONFIGS)
 
 
@@ -220,31 +215,15 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     return out, o_saved, lse, counts, smax
 
 
-DQ_ATOMIC = False
-"""Native (`fa2`) backward as one kernel that adds dQ with atomics (`backward`'s `dq_atomic`), unless
-torch.use_deterministic_algorithms is on."""
-
-
-def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None), launch=_launch,
-             dq_atomic: bool | None = None):
+def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None), launch=_launch):
     """dQ, dK, dV (each in its input's memory order); `tiles` = (dK/dV config, dQ config) forces the tiles
-    instead of autotuning (benchmarks). `dq_atomic` (native numerics only): one kernel computes all three, adding
-    dQ into an fp32 buffer with atomics (five matmuls per tile pair instead of seven; dQ's last bits vary between
-    runs); None: `DQ_ATOMIC` decides where the spec allows it."""
+    instead of autotuning (benchmarks)."""
     spec, _, delta_meta, meta, dkdv_meta, dq_meta = _meta(key)
-    if dq_atomic is None:
-        dq_atomic = (DQ_ATOMIC and not spec.emu and delta_meta is None
-                     and not torch.are_deterministic_algorithms_enabled())
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
     units = 1.0 if spec.emu else LOG2E
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    if dq_atomic:
-        if spec.emu or delta_meta is not None:
-            raise ValueError(f"dq_atomic: needs the native fa2 numerics with the do_o δ, got spec {key}")
-        return _backward_dq_atomic(dout, q, k, v, o_saved, lse, delta, strides, causal, scale, dkdv_meta, meta,
-                                   dq_meta, tiles[0], launch)
     if delta_meta is not None:
         launch(None, kernels._attn_bwd_delta_dpp, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
                q, k, v, dout, lse, delta, *strides, H, T, scale * units, spec.logical_n, HEAD_DIM=D, CAUSAL=causal,
@@ -257,24 +236,9 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
            q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
     launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
-           q, k, v, dout, lse, delta, dk, dv, dk, *strides, *_strides(dk), *_strides(dk), H, T, scale * units, scale,
-           spec.logical_m, HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, DQ_ATOMIC=False, config=tiles[0])
+           q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
+           HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
     return dq, dk, dv
-
-
-def _backward_dq_atomic(dout, q, k, v, o, lse, delta, strides, causal, scale, dkdv_meta, meta, dq_meta, tile, launch):
-    """`backward` with `dq_atomic`: δ pass, one kernel for dK, dV and dQ (fp32, atomics), dQ cast to q's dtype."""
-    B, H, T, D = q.shape
-    launch(None, kernels._attn_bwd_delta, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H), o, dout, delta,
-           *_strides(o), *_strides(dout), H, T, HEAD_DIM=D, R_MUL=dq_meta["R_MUL"], R_TERMS=dq_meta["R_TERMS"],
-           R_DELTA=dq_meta["R_DELTA"], config=_DELTA_CONFIG)
-    dq_acc = empty_in_layout_of(q, torch.float32).zero_()
-    dk = empty_in_layout_of(k, k.dtype)
-    dv = empty_in_layout_of(k, v.dtype)
-    launch(_dkdv_dq, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
-           q, k, v, dout, lse, delta, dk, dv, dq_acc, *strides, *_strides(dk), *_strides(dq_acc), H, T, scale * LOG2E,
-           scale, 0, HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, DQ_ATOMIC=True, config=tile)
-    return dq_acc.to(q.dtype), dk, dv
 
 
 class FlashAttention(torch.autograd.Function):
