@@ -115,6 +115,39 @@ def _policy(name):
             "lse32": policy.with_sites(lse="fp32")}[knob]
 
 
+@pytest.fixture
+def fp32_operands_on_gpu(monkeypatch):
+    """Lets policies with fp32 matmul operands onto the kernels for one test (the validation caches cleared
+    before and after, so no other test sees a key built here)."""
+    from stableflash.attention import triton as backend
+    from stableflash.attention.triton import spec
+    monkeypatch.setattr(spec, "FP32_OPERANDS_ON_GPU", True)
+    spec.unsupported_reason.cache_clear()
+    backend._cached_key.cache_clear()
+    yield
+    spec.unsupported_reason.cache_clear()
+    backend._cached_key.cache_clear()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["fp32", "paper+operands32"])
+def test_fp32_matmul_operands_within_twice_the_reference_error(shape, name, fp32_operands_on_gpu):
+    # P̄, P and dS fed to the matmuls in fp32 (three tf32 products per dot on the GPU, exact fp32 under the
+    # interpreter), against the reference of the same policy; outputs in the policy's dtype, gradients in the inputs'
+    policy = resolve("fp32") if name == "fp32" else resolve("paper").with_sites(
+        pbar_operand="fp32", p_operand="fp32", ds_operand="fp32")
+    q, k, v = _inputs(shape)
+    dout = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
+    ours = _run(lambda *t: _attention(*t, precision=policy), q, k, v, dout)
+    ref = _run(lambda *t: flash_attention(*t, precision=policy, backend="reference"), q, k, v, dout)
+    f, leaves = _fp64(q, k, v, True)
+    exact_out = f(*leaves)
+    exact = [exact_out.detach(), *torch.autograd.grad(exact_out, leaves, dout.cpu().double())]
+    for what, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+        assert a.dtype == r.dtype, what
+        _assert_within_twice_the_reference(what, a, r, e, a.dtype)
+
+
 @pytest.mark.parametrize("shape", SHAPES[-2:])
 @pytest.mark.parametrize("name", EMULATED)
 @pytest.mark.parametrize("stabilize", [None, SFA()])
