@@ -44,7 +44,7 @@ def main():
         for name, policy in (("paper", paper), ("fp32", fp32)):
             rows += [row(policy, None, kernel, D, ops._EMU_CONFIG, name) for kernel in ("fwd", "dkdv", "dq")]
         for name, policy in (("fa2+dp_p", fa2), ("paper+dp_p", paper)):
-            rows.append(row(policy.with_delta("dp_p"), None, "delta_dpp", D, ops._DELTA_DPP_CONFIG, name))
+            rows.append(row(policy.with_delta("dp_p"), None, "delta_dpp", D, ops._EMU_CONFIG, name))
     print(f"{'kernel':<10}{'variant':<12}{'D':>4}{'BM':>5}{'BN':>5}{'warps':>6}{'stages':>7}{'regs':>6}{'spill B':>9}")
     for r in rows:
         print(f"{r['kernel']:<10}{r['variant']:<12}{r['head_dim']:>4}{r['BLOCK_M']:>5}{r['BLOCK_N']:>5}{r['warps']:>6}"

@@ -130,12 +130,12 @@ def fp32_operands_on_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name", ["fp32", "paper+operands32"])
+@pytest.mark.parametrize("name", ["fp32", "fp32+dpp", "paper+operands32"])
 def test_fp32_matmul_operands_within_twice_the_reference_error(shape, name, fp32_operands_on_gpu):
     # P̄, P and dS fed to the matmuls in fp32 (three tf32 products per dot on the GPU, exact fp32 under the
     # interpreter), against the reference of the same policy; outputs in the policy's dtype, gradients in the inputs'
-    policy = resolve("fp32") if name == "fp32" else resolve("paper").with_sites(
-        pbar_operand="fp32", p_operand="fp32", ds_operand="fp32")
+    policy = {"fp32": resolve("fp32"), "fp32+dpp": resolve("fp32").with_delta("dp_p"),
+              "paper+operands32": resolve("paper").with_sites(pbar_operand="fp32", p_operand="fp32", ds_operand="fp32")}[name]
     q, k, v = _inputs(shape)
     dout = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
     ours = _run(lambda *t: _attention(*t, precision=policy), q, k, v, dout)

@@ -42,17 +42,25 @@ _DKDV_CONFIGS = [_cfg(32, 128, 4, 3), _cfg(32, 128, 4, 5), _cfg(64, 128, 8, 3), 
 _DQ_CONFIGS = [_cfg(128, 32, 4, 3), _cfg(128, 32, 4, 5), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3),
                _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)]
 _EMU_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
-# the `dp_p` δ pass: one tile, a multiple of the emulated logical tiles' physical tile
-_DELTA_DPP_CONFIG = _cfg(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
+# fp32 matmul operands double the shared memory: at D = 128 the 64x64 dK/dV tile asked 246 KB of the H200's 227
+_EMU_CONFIG_FP32_D128 = _cfg(PHYSICAL_TILE // 2, PHYSICAL_TILE // 2, 4, 2)
+
+
+def _emu_config(ops_fp32: bool, head_dim: int) -> triton.Config:
+    """The one tile of the emulated kernels and the `dp_p` δ pass (the logical tiles are built from it)."""
+    return _EMU_CONFIG_FP32_D128 if ops_fp32 and head_dim >= 128 else _EMU_CONFIG
 
 
 def _prune(configs, named_args, **meta):
     """Emulated numerics use one fixed physical tile (the logical tiles are built from it). At D = 128, tiles larger
     than 128x64 need 8 warps (with 4 they spill heavily); with 8, 128x128 is the fastest forward tile on an H200
     (+7-9% over 128x64: results/kernel-variants/dq-atomic-h200-ad6a0aa.json)."""
-    if meta.get("EMU", named_args.get("EMU")):
-        return [_EMU_CONFIG]
-    big_d = meta.get("HEAD_DIM", named_args.get("HEAD_DIM")) >= 128
+    def arg(name):
+        return meta.get(name, named_args.get(name))
+
+    if arg("EMU"):
+        return [_emu_config(arg("OPS_FP32"), arg("HEAD_DIM"))]
+    big_d = arg("HEAD_DIM") >= 128
     return [c for c in configs
             if not (big_d and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64 and c.num_warps < 8)] or configs
 
@@ -95,7 +103,7 @@ class _Launches:
 
     def __call__(self, tuned, plain, grid, args, meta, config=None):
         if INTERPRET:
-            cfg = config or (_EMU_CONFIG if meta["EMU"] else _cfg(64, 64, 4, 2))
+            cfg = config or (_emu_config(meta["OPS_FP32"], meta["HEAD_DIM"]) if meta["EMU"] else _cfg(64, 64, 4, 2))
             plain[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return
         key = (plain, config, torch.cuda.current_device(), tuple(meta.values()),
@@ -230,7 +238,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
     if delta_meta is not None:
         launch(None, kernels._attn_bwd_delta_dpp, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
                q, k, v, dout, lse, delta, *strides, H, T, scale * units, spec.logical_n, HEAD_DIM=D, CAUSAL=causal,
-               **delta_meta, config=_DELTA_DPP_CONFIG)
+               **delta_meta, config=_emu_config(spec.ops_fp32, D))
     dq = empty_in_layout_of(q, q.dtype)
     dk = empty_in_layout_of(k, k.dtype)
     dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
