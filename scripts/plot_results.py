@@ -194,7 +194,8 @@ def main():
     for path in sorted(args.results.glob("sweep-*/sweep.json")):
         print(plot_sweep(path))
     for path in sorted(args.results.glob("attention-bench-*.json")):
-        print(plot_attention_bench(path))
+        if "rows" in json.loads(path.read_text()):  # the repeat runs' file holds several runs, not one table
+            print(plot_attention_bench(path))
     for folder in sorted(p.parent for p in args.results.glob("multi-gpu-*/allreduce-*.json")):
         print(plot_multi_gpu(folder))
     for path in sorted(args.results.glob("isolation-*/isolation-seeds.json")):

@@ -29,9 +29,9 @@ from stableflash.train.loop import train
 from stableflash.train.pool import run_all
 
 # The analysed attention and its controls run in the fused kernels' emulation (`triton`); `fp32` runs on
-# the reference in one tile (the kernels' fp32-operand variant is not yet verified on a GPU; one tile
-# keeps the reference fast, and fp32 has no rounding for tiling to change); `ref-paper` is the PyTorch
-# reference of `paper`, as sweep 01 ran it.
+# the reference in one tile, as sweeps 01-07 ran it (the kernels' fp32-operand path was verified on a GPU only
+# later; one tile keeps the reference fast, and fp32 has no rounding for tiling to change); `ref-paper` is the
+# PyTorch reference of `paper`, as sweep 01 ran it.
 SETTINGS = {
     "paper": ["attention.backend=triton", "attention.precision=paper", "attention.tiling=false"],
     "bf16": ["attention.backend=triton", "attention.precision=bf16", "attention.tiling=false"],

@@ -115,23 +115,9 @@ def _policy(name):
             "lse32": policy.with_sites(lse="fp32")}[knob]
 
 
-@pytest.fixture
-def fp32_operands_on_gpu(monkeypatch):
-    """Lets policies with fp32 matmul operands onto the kernels for one test (the validation caches cleared
-    before and after, so no other test sees a key built here)."""
-    from stableflash.attention import triton as backend
-    from stableflash.attention.triton import spec
-    monkeypatch.setattr(spec, "FP32_OPERANDS_ON_GPU", True)
-    spec.unsupported_reason.cache_clear()
-    backend._cached_key.cache_clear()
-    yield
-    spec.unsupported_reason.cache_clear()
-    backend._cached_key.cache_clear()
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", ["fp32", "fp32+dpp", "paper+operands32"])
-def test_fp32_matmul_operands_within_twice_the_reference_error(shape, name, fp32_operands_on_gpu):
+def test_fp32_matmul_operands_within_twice_the_reference_error(shape, name):
     # P̄, P and dS fed to the matmuls in fp32 (three tf32 products per dot on the GPU, exact fp32 under the
     # interpreter), against the reference of the same policy; outputs in the policy's dtype, gradients in the inputs'
     policy = {"fp32": resolve("fp32"), "fp32+dpp": resolve("fp32").with_delta("dp_p"),

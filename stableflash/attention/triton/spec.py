@@ -24,8 +24,6 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 PHYSICAL_TILE = 64  # emulated logical tiles are built from tiles of this size
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Triton's CPU interpreter is on (the tests' CPU path): read once, here."""
-FP32_OPERANDS_ON_GPU = False
-"""Policies with fp32 matmul operands (tf32x3 dots) run on the GPU; off until a GPU run has checked them."""
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NATIVE_TILE = PRESETS["fa2"].block_m
 
@@ -77,11 +75,6 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
         if policy.dtype(site, dtype) not in _CODES:
             return f"site {site} in {getattr(policy, site)} (kernels round to fp32, bf16 or fp16)"
     for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
-        if policy.dtype(site, dtype) != dtype and not (INTERPRET or FP32_OPERANDS_ON_GPU):
-            # the fp32-operand variant passes under the interpreter and now compiles for sm_90 (it failed on an
-            # H200 until kernels._dot was fixed), but it has not run on a GPU yet: such policies stay on the reference
-            return (f"site {site} must be the input dtype (fp32 matmul operands are not yet verified on a GPU; "
-                    "they run on the reference)")
         if policy.dtype(site, dtype) not in (dtype, torch.float32):
             return f"matmul operand site {site} must be the input dtype or fp32"
     if policy.o_saved not in ("out", "fp32"):
