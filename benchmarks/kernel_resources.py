@@ -41,8 +41,8 @@ def main():
                 rows.append(row(fa2, stab, "fwd", D, cfg, variant, stats))
         for kernel, configs in (("dkdv", ops._DKDV_CONFIGS), ("dq", ops._DQ_CONFIGS)):
             rows += [row(fa2, None, kernel, D, cfg, "plain") for cfg in configs]
-        for name, policy in (("paper", paper), ("fp32", fp32)):
-            rows += [row(policy, None, kernel, D, ops._EMU_CONFIG, name) for kernel in ("fwd", "dkdv", "dq")]
+        for name, policy, ops_fp32 in (("paper", paper, False), ("fp32", fp32, True)):
+            rows += [row(policy, None, kernel, D, ops._emu_config(ops_fp32, D), name) for kernel in ("fwd", "dkdv", "dq")]
         for name, policy in (("fa2+dp_p", fa2), ("paper+dp_p", paper)):
             rows.append(row(policy.with_delta("dp_p"), None, "delta_dpp", D, ops._EMU_CONFIG, name))
     print(f"{'kernel':<10}{'variant':<12}{'D':>4}{'BM':>5}{'BN':>5}{'warps':>6}{'stages':>7}{'regs':>6}{'spill B':>9}")
