@@ -45,12 +45,14 @@ def main():
             rows += [row(policy, None, kernel, D, ops._emu_config(ops_fp32, D), name) for kernel in ("fwd", "dkdv", "dq")]
         for name, policy in (("fa2+dp_p", fa2), ("paper+dp_p", paper)):
             rows.append(row(policy.with_delta("dp_p"), None, "delta_dpp", D, ops._EMU_CONFIG, name))
-    print(f"{'kernel':<10}{'variant':<12}{'D':>4}{'BM':>5}{'BN':>5}{'warps':>6}{'stages':>7}{'regs':>6}{'spill B':>9}")
+    print(f"{'kernel':<10}{'variant':<12}{'D':>4}{'BM':>5}{'BN':>5}{'warps':>6}{'stages':>7}{'regs':>6}{'spill B':>9}"
+          f"{'shared B':>10}")
     for r in rows:
         print(f"{r['kernel']:<10}{r['variant']:<12}{r['head_dim']:>4}{r['BLOCK_M']:>5}{r['BLOCK_N']:>5}{r['warps']:>6}"
-              f"{r['stages']:>7}{r['registers']:>6}{r['spill_stack_bytes']:>9}")
+              f"{r['stages']:>7}{r['registers']:>6}{r['spill_stack_bytes']:>9}{r['shared_bytes']:>10}")
     if args.out:
-        meta = {"target": "sm_90", "triton": triton.__version__, "tool": "cuobjdump -res-usage"}
+        meta = {"target": "sm_90", "triton": triton.__version__, "tool": "cuobjdump -res-usage",
+                "specialisation": "pointers 16-byte aligned; strides, logical tiles and T (4096) divisible by 16"}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

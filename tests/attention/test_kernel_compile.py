@@ -32,6 +32,16 @@ def test_kernel_compiles_for_sm90(policy, kernel, config):
     assert 0 < usage["registers"] <= 255
 
 
+@pytest.mark.slow
+def test_offline_compile_specialises_like_a_launch():
+    """Without the launch's alignment hints Triton loads scalars and skips the cp.async pipeline, and the resource
+    figures describe code the GPU never runs (they did until 2026-11-30)."""
+    key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, 4096))
+    config = ops._cfg(128, 64, 8, 3)
+    ptx = compile_kernel("fwd", constexprs(key, "fwd", 64, config), config).asm["ptx"]
+    assert "cp.async" in ptx and "ld.global.b16" not in ptx
+
+
 @pytest.mark.parametrize("precision,stabilize,stats", [("fa2", None, False), ("fa2", "sfa", True),
                                                        ("paper", "sfa", True), ("paper+dp_p", None, False)])
 def test_every_launch_gives_each_kernel_parameter_a_value(precision, stabilize, stats):

@@ -37,20 +37,31 @@ def constexprs(key: str, kernel: str, head_dim: int, config: triton.Config, caus
     return {**own, "HEAD_DIM": head_dim, "CAUSAL": causal, **config.kwargs}
 
 
-def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPUTarget = SM90):
-    """Compile one kernel specialisation for `target`; raises Triton's CompilationError if it does not compile."""
+def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPUTarget = SM90,
+                   seq_len_divisible: bool = True):
+    """Compile one kernel specialisation for `target`; raises Triton's CompilationError if it does not compile.
+
+    Specialised as a launch on a GPU specialises it: every pointer 16-byte aligned, every stride and logical tile
+    length divisible by 16 (true for torch's allocations at head dims 64 and 128), and T too when
+    `seq_len_divisible`. Without these hints
+    Triton can prove no alignment, loads scalar 16-bit values and skips the cp.async pipeline, so registers, spills
+    and shared memory come out unlike the code the GPU runs."""
     fn = KERNELS[kernel]
     signature = {name: "constexpr" if name in consts else _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
                  for name in fn.arg_names}
-    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    divisible = [name for name, kind in signature.items()  # LT, LQ: logical tiles, multiples of 64
+                 if kind.startswith("*") or name.startswith("stride_") or name in ("LT", "LQ")
+                 or (name == "T" and seq_len_divisible)]
+    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                       attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
     return triton.compile(source, target=target, options={"num_warps": config.num_warps, "num_stages": config.num_stages})
 
 
 def resource_usage(compiled) -> dict:
-    """Registers per thread and spill (local stack) bytes of a compiled kernel."""
+    """Registers per thread, spill (local stack) bytes and shared memory bytes of a compiled kernel."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         report = subprocess.run([_CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", report)
-    return {"registers": int(found[1]), "spill_stack_bytes": int(found[2])}
+    return {"registers": int(found[1]), "spill_stack_bytes": int(found[2]), "shared_bytes": compiled.metadata.shared}
