@@ -350,12 +350,13 @@ def _attn_fwd(
         tl.store(OS + o_ptrs, o.to(OS.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
     if STATS:  # rows past T hold padding: left out here
-        tl.atomic_add(STAT_COUNTS + h * 2, tl.sum(tl.where(row_ok, repeated, 0), 0))
-        tl.atomic_add(STAT_COUNTS + h * 2 + 1, tl.sum(tl.where(row_ok, ones, 0), 0))
+        # relaxed: the counters need atomicity, not ordering (the default acq_rel fences every program's end)
+        tl.atomic_add(STAT_COUNTS + h * 2, tl.sum(tl.where(row_ok, repeated, 0), 0), sem="relaxed")
+        tl.atomic_add(STAT_COUNTS + h * 2 + 1, tl.sum(tl.where(row_ok, ones, 0), 0), sem="relaxed")
         row_max = tl.max(tl.where(row_ok, smax, float("-inf")), 0)
         if not EMU:
             row_max = row_max / _LOG2E
-        tl.atomic_max(STAT_MAX + h, row_max)
+        tl.atomic_max(STAT_MAX + h, row_max, sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------------
