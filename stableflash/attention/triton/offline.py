@@ -43,9 +43,8 @@ def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPU
 
     Specialised as a launch on a GPU specialises it: every pointer 16-byte aligned, every stride and logical tile
     length divisible by 16 (true for torch's allocations at head dims 64 and 128), and T too when
-    `seq_len_divisible`. Without these hints
-    Triton can prove no alignment, loads scalar 16-bit values and skips the cp.async pipeline, so registers, spills
-    and shared memory come out unlike the code the GPU runs."""
+    `seq_len_divisible`. Without these hints Triton can prove no alignment, loads scalar 16-bit values and skips
+    the cp.async pipeline, so registers, spills and shared memory come out unlike the code the GPU runs."""
     fn = KERNELS[kernel]
     signature = {name: "constexpr" if name in consts else _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
                  for name in fn.arg_names}
