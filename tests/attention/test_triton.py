@@ -248,6 +248,35 @@ def test_pbar_one_counts_on_random_rows_match_the_reference_with_the_same_tiles(
     assert min(ref.pbar_ones.tolist()) > 2 * 200  # at least one per row (its first maximum), and ties on top
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_variants_under_study(causal):
+    """The forward kernel's study switches (docs/kernel-notes.md). TOP2_PAIRS only regroups an exact reduction: SFA's
+    outputs and every statistic bit for bit, on rows with copied keys. SCALE_IN_EXP rounds qk·scale − m once instead
+    of twice: the plain output within the 2x rule."""
+    from stableflash.attention.triton import ops
+    from stableflash.attention.triton.spec import build_spec
+
+    D = 16 if INTERPRET else 64
+    shape = (2, 3, 200, D)
+    q, k, v = (t.detach() for t in _inputs(shape))
+    k[:, :, 150:170] = k[:, :, 20:40]  # repeated maxima across tiles and within them
+    k[:, :, 56:64] = k[:, :, 48:56]
+    tile = ops._cfg(64, 64, 4, 2)
+    sfa = ops.register_spec(build_spec(resolve("fa2"), SFA(), torch.bfloat16, 200))
+    base = ops.forward(q, k, v, causal, D**-0.5, sfa, True, SFA().eps, tile=tile)
+    paired = ops.forward(q, k, v, causal, D**-0.5, sfa, True, SFA().eps, tile=tile, TOP2_PAIRS=True)
+    for name, a, b in zip(["out", "o_saved", "lse", "counts", "max"], base, paired):
+        assert torch.equal(a, b), name
+    assert base[3][:, 0].sum() > 0  # rows with repeated maxima were there to find
+
+    plain = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, 200))
+    folded = ops.forward(q, k, v, causal, D**-0.5, plain, False, 0.0, tile=tile, SCALE_IN_EXP=True)[0]
+    ref = flash_attention(q, k, v, causal=causal, precision="fa2", backend="reference")
+    exact = flash_attention(*(t.cpu().double() for t in (q, k, v)), causal=causal, precision="fp64",
+                            backend="reference")
+    _assert_within_twice_the_reference("out", folded, ref, exact, torch.bfloat16)
+
+
 def test_per_head_override_and_strided_inputs():
     B, T, H, D = 2, 77, 3, (16 if INTERPRET else 64)
     qkv = torch.randn(B, T, 3 * H * D).to(torch.bfloat16).to(DEVICE)

@@ -183,17 +183,33 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
                      m, l, acc, repeated, ones, smax, eps_u,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                      STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr,
-                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr):
-    """One key tile of the production-FA2 online softmax (base-2 units)."""
-    s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
-                False, False, 0, 0)
+                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr,
+                     TOP2_PAIRS: tl.constexpr, SCALE_IN_EXP: tl.constexpr):
+    """One key tile of the production-FA2 online softmax (base-2 units).
+
+    Two variants under study (off by default; docs/kernel-notes.md): TOP2_PAIRS pairs neighbouring columns before
+    the (largest, second largest) reduction, 3 min/max per score instead of 4, exact; SCALE_IN_EXP (plain kernel)
+    takes the maximum of raw qk and folds the scale into the exponent's FFMA, as FA2's CUDA kernel does."""
+    tl.static_assert(not (SCALE_IN_EXP and (STATS or STAB == 1)), "SCALE_IN_EXP: the tie test needs scaled scores")
+    if SCALE_IN_EXP:
+        s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, 1.0, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
+                    False, False, 0, 0)
+    else:
+        s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
+                    False, False, 0, 0)
     if STATS or STAB == 1:
         # a row repeats its maximum (within eps) iff its second largest score is that close: one pair reduction
         # in place of the maximum (measured against a maximum and then a count: docs/kernel-notes.md)
-        rm, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
+        if TOP2_PAIRS:  # the top two of a column pair are its max and min
+            a, b = tl.split(tl.reshape(s, (s.shape[0], s.shape[1] // 2, 2)))
+            rm, r2 = tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2)
+        else:
+            rm, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
         near_row = (r2 >= rm - eps_u) & (rm > float("-inf"))
     else:
         rm = tl.max(s, 1)
+        if SCALE_IN_EXP:
+            rm = rm * scale
     if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
         smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
         repeated = tl.maximum(repeated, near_row.to(tl.int32))
@@ -202,7 +218,10 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
         rm = _sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
     m_new = tl.maximum(m, rm)
     m_shift = _shift(m_new)
-    p = tl.math.exp2(s - m_shift[:, None])
+    if SCALE_IN_EXP:
+        p = tl.math.exp2(s * scale - m_shift[:, None])
+    else:
+        p = tl.math.exp2(s - m_shift[:, None])
     if STAB == 2:
         p = tl.minimum(p, CLAMP_CEIL)
     p_op = _cast(p, V.dtype.element_ty)
@@ -243,6 +262,7 @@ def _attn_fwd(
     R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_DIV: tl.constexpr,
     R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    TOP2_PAIRS: tl.constexpr = False, SCALE_IN_EXP: tl.constexpr = False,
 ):
     scale, eps_u = _fp32(scale), _fp32(eps_u)
     if HEADS_FIRST:  # grid (heads, query tiles), every head's heaviest causal tile first (SFA: measured faster)
@@ -276,12 +296,12 @@ def _attn_fwd(
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL)
+                BOUNDED, CLAMP_CEIL, TOP2_PAIRS, SCALE_IN_EXP)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
                 q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL)
+                BOUNDED, CLAMP_CEIL, TOP2_PAIRS, SCALE_IN_EXP)
         empty = m == float("-inf")
         o = acc / tl.where(empty, 1.0, l)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.math.log2(l))  # base 2: the backward's units

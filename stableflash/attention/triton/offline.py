@@ -46,6 +46,7 @@ def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPU
     `seq_len_divisible`. Without these hints Triton can prove no alignment, loads scalar 16-bit values and skips
     the cp.async pipeline, so registers, spills and shared memory come out unlike the code the GPU runs."""
     fn = KERNELS[kernel]
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature = {name: "constexpr" if name in consts else _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
                  for name in fn.arg_names}
     divisible = [name for name, kind in signature.items()  # LT, LQ: logical tiles, multiples of 64

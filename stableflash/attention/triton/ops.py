@@ -195,11 +195,13 @@ def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.new_empty(B, H, T, D, dtype=dtype)
 
 
-def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float, tile=None, launch=_launch):
+def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float, tile=None, launch=_launch,
+            **variants):
     """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,2) int32, max (H,) fp32).
 
     lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
-    Without `stats` the two counters are empty.
+    Without `stats` the two counters are empty. `variants`: the forward kernel's study switches (`TOP2_PAIRS`,
+    `SCALE_IN_EXP`; benchmarks/forward_variants.py), with a fixed `tile`.
     """
     spec, meta, *_ = _meta(key)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
@@ -222,7 +224,7 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
 
     launch(_fwd, kernels._attn_fwd, grid, q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
            *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u, spec.logical_n,
-           **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
+           **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, **variants, config=tile)
     return out, o_saved, lse, counts, smax
 
 
