@@ -22,8 +22,12 @@ from stableflash.attention.triton.offline import compile_kernel, constexprs, res
 from stableflash.attention.triton.spec import build_spec
 
 
-def row(policy, stabilize, kernel: str, head_dim: int, config: triton.Config, variant: str, stats: bool = False) -> dict:
-    key = ops.register_spec(build_spec(policy, stabilize, torch.bfloat16, 4096))
+def row(policy, stabilize, kernel: str, head_dim: int, config: triton.Config | None, variant: str,
+        stats: bool = False) -> dict:
+    """One kernel at one tile; `config` None: the emulated kernels' own tile for this policy (`ops._emu_config`)."""
+    spec = build_spec(policy, stabilize, torch.bfloat16, 4096)
+    key = ops.register_spec(spec)
+    config = config or ops._emu_config(spec.ops_fp32, head_dim)
     consts = constexprs(key, kernel, head_dim, config, stats=stats)
     return {"kernel": kernel, "variant": variant, "head_dim": head_dim, **config.kwargs, "warps": config.num_warps,
             "stages": config.num_stages, **resource_usage(compile_kernel(kernel, consts, config))}
@@ -41,10 +45,10 @@ def main():
                 rows.append(row(fa2, stab, "fwd", D, cfg, variant, stats))
         for kernel, configs in (("dkdv", ops._DKDV_CONFIGS), ("dq", ops._DQ_CONFIGS)):
             rows += [row(fa2, None, kernel, D, cfg, "plain") for cfg in configs]
-        for name, policy, ops_fp32 in (("paper", paper, False), ("fp32", fp32, True)):
-            rows += [row(policy, None, kernel, D, ops._emu_config(ops_fp32, D), name) for kernel in ("fwd", "dkdv", "dq")]
+        for name, policy in (("paper", paper), ("fp32", fp32)):
+            rows += [row(policy, None, kernel, D, None, name) for kernel in ("fwd", "dkdv", "dq")]
         for name, policy in (("fa2+dp_p", fa2), ("paper+dp_p", paper)):
-            rows.append(row(policy.with_delta("dp_p"), None, "delta_dpp", D, ops._EMU_CONFIG, name))
+            rows.append(row(policy.with_delta("dp_p"), None, "delta_dpp", D, None, name))
     print(f"{'kernel':<10}{'variant':<12}{'D':>4}{'BM':>5}{'BN':>5}{'warps':>6}{'stages':>7}{'regs':>6}{'spill B':>9}"
           f"{'shared B':>10}")
     for r in rows:

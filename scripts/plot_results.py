@@ -50,10 +50,13 @@ def plot_sweep(path: Path) -> Path:
     return _save(fig, out)
 
 
-def plot_attention_bench(path: Path) -> Path:
+def plot_attention_bench(path: Path) -> Path | None:
     """Forward+backward TFLOP/s per shape and implementation: eagerly, and replayed from a CUDA graph where the run
-    measured it (device time only; the small shape's eager figure is bound by host work)."""
+    measured it (device time only; the small shape's eager figure is bound by host work). None for a file without
+    one table (the repeat runs' file holds several runs)."""
     data = json.loads(path.read_text())
+    if "rows" not in data:
+        return None
     rows = data["rows"]
     shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -200,8 +203,8 @@ def main():
     for path in sorted(args.results.glob("sweep-*/sweep.json")):
         print(plot_sweep(path))
     for path in sorted(args.results.glob("attention-bench-*.json")):
-        if "rows" in json.loads(path.read_text()):  # the repeat runs' file holds several runs, not one table
-            print(plot_attention_bench(path))
+        if (figure := plot_attention_bench(path)) is not None:
+            print(figure)
     for folder in sorted(p.parent for p in args.results.glob("multi-gpu-*/allreduce-*.json")):
         print(plot_multi_gpu(folder))
     for path in sorted(args.results.glob("isolation-*/isolation-seeds.json")):

@@ -78,8 +78,7 @@ def test_fa2_within_twice_the_reference_error(shape, causal, dtype):
     ours = _run(lambda *t: _attention(*t, causal=causal), q, k, v, dout)
     ref = _run(lambda *t: flash_attention(*t, causal=causal, precision="fa2", backend="reference"), q, k, v, dout)
     f, leaves = _fp64(q, k, v, causal)
-    exact_out = f(*leaves)
-    exact = [exact_out.detach(), *torch.autograd.grad(exact_out, leaves, dout.cpu().double())]
+    exact = _run(f, *leaves, dout.cpu().double())
     for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
         assert torch.isfinite(a).all(), name
         _assert_within_twice_the_reference(name, a, r, e, dtype)
@@ -95,8 +94,7 @@ def test_fa2_with_the_dp_p_delta_within_twice_the_reference_error(causal):
     ours = _run(lambda *t: _attention(*t, causal=causal, precision=policy), q, k, v, dout)
     ref = _run(lambda *t: flash_attention(*t, causal=causal, precision=policy, backend="reference"), q, k, v, dout)
     f, leaves = _fp64(q, k, v, causal)
-    exact_out = f(*leaves)
-    exact = [exact_out.detach(), *torch.autograd.grad(exact_out, leaves, dout.cpu().double())]
+    exact = _run(f, *leaves, dout.cpu().double())
     for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
         _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
 
@@ -127,8 +125,7 @@ def test_fp32_matmul_operands_within_twice_the_reference_error(shape, name):
     ours = _run(lambda *t: _attention(*t, precision=policy), q, k, v, dout)
     ref = _run(lambda *t: flash_attention(*t, precision=policy, backend="reference"), q, k, v, dout)
     f, leaves = _fp64(q, k, v, True)
-    exact_out = f(*leaves)
-    exact = [exact_out.detach(), *torch.autograd.grad(exact_out, leaves, dout.cpu().double())]
+    exact = _run(f, *leaves, dout.cpu().double())
     for what, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
         assert a.dtype == r.dtype, what
         _assert_within_twice_the_reference(what, a, r, e, a.dtype)
@@ -226,6 +223,15 @@ def test_stats_match_the_reference_and_count_ties(T, causal):
     assert sfa.pbar_ones.tolist() == sfa_ref.pbar_ones.tolist() == ([1, 1] if causal else [0, 0])
 
 
+def _copied_key_inputs(D):
+    """(2, 3, 200, D) random inputs whose keys 150..169 copy keys 20..39 (ties across 64-key tiles for the rows whose
+    maximum is among those) and 56..63 copy 48..55 (ties within the first tile)."""
+    q, k, v = (t.detach() for t in _inputs((2, 3, 200, D)))
+    k[:, :, 150:170] = k[:, :, 20:40]
+    k[:, :, 56:64] = k[:, :, 48:56]
+    return q, k, v
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_pbar_one_counts_on_random_rows_match_the_reference_with_the_same_tiles(causal):
     """P̄ = 1 entries of random rows: each row's maximum wherever a key tile raises the running maximum, plus near-ties.
@@ -236,9 +242,7 @@ def test_pbar_one_counts_on_random_rows_match_the_reference_with_the_same_tiles(
     from stableflash.attention.triton.spec import build_spec
 
     D = 16 if INTERPRET else 64
-    q, k, v = (t.detach() for t in _inputs((2, 3, 200, D)))
-    k[:, :, 150:170] = k[:, :, 20:40]  # ties across tiles for the rows whose maximum is among keys 20..39
-    k[:, :, 56:64] = k[:, :, 48:56]  # ties within the first tile: its per-score count
+    q, k, v = _copied_key_inputs(D)
     key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, 200))
     _, _, _, counts, _ = ops.forward(q, k, v, causal, D**-0.5, key, True, 1e-3, tile=ops._cfg(64, 64, 4, 2))
     ref = AttentionStats(3)
@@ -257,10 +261,7 @@ def test_forward_variants_under_study(causal):
     from stableflash.attention.triton.spec import build_spec
 
     D = 16 if INTERPRET else 64
-    shape = (2, 3, 200, D)
-    q, k, v = (t.detach() for t in _inputs(shape))
-    k[:, :, 150:170] = k[:, :, 20:40]  # repeated maxima across tiles and within them
-    k[:, :, 56:64] = k[:, :, 48:56]
+    q, k, v = _copied_key_inputs(D)
     tile = ops._cfg(64, 64, 4, 2)
     sfa = ops.register_spec(build_spec(resolve("fa2"), SFA(), torch.bfloat16, 200))
     base = ops.forward(q, k, v, causal, D**-0.5, sfa, True, SFA().eps, tile=tile)

@@ -37,21 +37,19 @@ def constexprs(key: str, kernel: str, head_dim: int, config: triton.Config, caus
     return {**own, "HEAD_DIM": head_dim, "CAUSAL": causal, **config.kwargs}
 
 
-def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPUTarget = SM90,
-                   seq_len_divisible: bool = True):
+def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPUTarget = SM90):
     """Compile one kernel specialisation for `target`; raises Triton's CompilationError if it does not compile.
 
     Specialised as a launch on a GPU specialises it: every pointer 16-byte aligned, every stride and logical tile
-    length divisible by 16 (true for torch's allocations at head dims 64 and 128), and T too when
-    `seq_len_divisible`. Without these hints Triton can prove no alignment, loads scalar 16-bit values and skips
-    the cp.async pipeline, so registers, spills and shared memory come out unlike the code the GPU runs."""
+    length divisible by 16 (true for torch's allocations at head dims 64 and 128), and T too (as at T = 4096).
+    Without these hints Triton can prove no alignment, loads scalar 16-bit values and skips the cp.async pipeline,
+    so registers, spills and shared memory come out unlike the code the GPU runs."""
     fn = KERNELS[kernel]
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature = {name: "constexpr" if name in consts else _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
                  for name in fn.arg_names}
     divisible = [name for name, kind in signature.items()  # LT, LQ: logical tiles, multiples of 64
-                 if kind.startswith("*") or name.startswith("stride_") or name in ("LT", "LQ")
-                 or (name == "T" and seq_len_divisible)]
+                 if kind.startswith("*") or name.startswith("stride_") or name in ("T", "LT", "LQ")]
     source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                        attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
     return triton.compile(source, target=target, options={"num_warps": config.num_warps, "num_stages": config.num_stages})
