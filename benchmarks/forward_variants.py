@@ -1,10 +1,10 @@
 """The forward kernel's study switches against the kernel as it ships, at the same tile, in the same process.
 
-`TOP2_PAIRS` (SFA and the statistics: the pair reduction with neighbouring columns paired first, exact) and
-`SCALE_IN_EXP` (plain: the scale folded into the exponent's FFMA, as FA2 does it); docs/kernel-notes.md has the
-offline instruction counts that motivated them. For each shape and kernel: the autotuner's tile, then forward
-TFLOP/s from a CUDA graph for the kernel as it ships and with the switch, in two interleaved rounds (so the spread
-between rounds shows the noise), and how the outputs compare (TOP2_PAIRS must be bit-identical). Causal, bf16.
+`TMA`: K and V tiles loaded by the tensor memory accelerator from one tensor descriptor per head, where the kernel as
+it ships loads them through pointers (cp.async); docs/kernel-notes.md has the reasoning. For each shape and kernel:
+the autotuner's tile, then forward TFLOP/s from a CUDA graph for the kernel as it ships and with the switch, in two
+interleaved rounds (so the spread between rounds shows the noise), and whether the outputs are bit-identical (they
+must be: only the loads change). Causal, bf16.
 
     python benchmarks/forward_variants.py --out results/forward-variants-h200.json
 """
@@ -27,8 +27,7 @@ from stableflash.attention.triton.spec import build_spec
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 # kernel -> (stabilizer, statistics, the switch under study)
-KERNELS = {"plain": (None, False, "SCALE_IN_EXP"), "sfa": (SFA(), False, "TOP2_PAIRS"),
-           "sfa+stats": (SFA(), True, "TOP2_PAIRS")}
+KERNELS = {"plain": (None, False, "TMA"), "sfa": (SFA(), False, "TMA"), "sfa+stats": (SFA(), True, "TMA")}
 ROUNDS = 2
 
 
@@ -70,6 +69,8 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("results/forward-variants-h200.json"))
     parser.add_argument("--shapes", default=None, help="e.g. 16,12,1024,64;4,12,4096,64")
     args = parser.parse_args()
+    # the TMA switch's device-side descriptors need global scratch
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     print(f"{'shape':<22}{'kernel':<11}{'switch':<14}{'tile':<16}TFLOP/s base/variant per round, ratio")
     rows = []

@@ -136,15 +136,20 @@ def _head_offset(bh, H, stride_b, stride_h):
 @triton.jit
 def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale,
             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-            EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile of scores: base-2 units natively, the policy's rounding under EMU."""
+            EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
+            TMA: tl.constexpr = False):
+    """One (BLOCK_M, BLOCK_N) tile of scores: base-2 units natively, the policy's rounding under EMU.
+    K is the head's tensor descriptor under TMA (rows past T read as 0), else a pointer."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_ptrs = K + k_off + offs_n[None, :] * stride_kt + offs_d[:, None]
-    if MASKED:
-        kt = tl.load(k_ptrs, mask=offs_n[None, :] < T, other=0.0)
+    if TMA:
+        kt = tl.trans(K.load([start_n, 0]))
     else:
-        kt = tl.load(k_ptrs)
+        k_ptrs = K + k_off + offs_n[None, :] * stride_kt + offs_d[:, None]
+        if MASKED:
+            kt = tl.load(k_ptrs, mask=offs_n[None, :] < T, other=0.0)
+        else:
+            kt = tl.load(k_ptrs)
     qk = _dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), OPS_FP32)
     if EMU:
         s = _round(_round(_round(qk, R_QK) * scale, R_QK), R_SCORES)
@@ -179,52 +184,51 @@ def _shift(m):
 
 
 @triton.jit
+def _scaled_row_max(rm, scale):
+    """A row maximum of raw qk in base-2 units, rounded up where fl(rm·scale) fell short of the exact product, so that
+    exp2(fma(qk, scale, -m)) <= 1 (unrounded, the residual is up to half an ulp of m: exp2 of it is inf at |m| ~ 1e11)."""
+    m = rm * scale
+    bits = m.to(tl.int32, bitcast=True)
+    up = tl.where(m > 0, bits + 1, tl.where(m < 0, bits - 1, 1)).to(tl.float32, bitcast=True)
+    return tl.where(tl.fma(rm, scale, -m) > 0, up, m)
+
+
+@triton.jit
 def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale,
                      m, l, acc, repeated, ones, smax, eps_u,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                      STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr,
-                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr,
-                     TOP2_PAIRS: tl.constexpr, SCALE_IN_EXP: tl.constexpr):
+                     HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TMA: tl.constexpr):
     """One key tile of the production-FA2 online softmax (base-2 units).
 
-    Two variants under study (off by default; docs/kernel-notes.md): TOP2_PAIRS pairs neighbouring columns before
-    the (largest, second largest) reduction, 3 min/max per score instead of 4, exact; SCALE_IN_EXP (plain kernel)
-    takes the maximum of raw qk and folds the scale into the exponent's FFMA, as FA2's CUDA kernel does."""
-    tl.static_assert(not (SCALE_IN_EXP and (STATS or STAB == 1)), "SCALE_IN_EXP: the tie test needs scaled scores")
-    if SCALE_IN_EXP:
-        s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, 1.0, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
-                    False, False, 0, 0)
-    else:
-        s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
-                    False, False, 0, 0)
+    As FA2's CUDA kernel does, the row maximum is taken over raw qk and the scale folded into the exponent's FFMA,
+    exp2(fma(qk, scale, -m)): two operations per score before the exponential where scaling first takes three
+    (measured: docs/kernel-notes.md). The repeated-maximum test and the statistics see fl(qk·scale) of the row's top
+    two, the same values as the top two of the scaled scores (rounding is monotone)."""
+    s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, 1.0, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
+                False, False, 0, 0, TMA)
     if STATS or STAB == 1:
         # a row repeats its maximum (within eps) iff its second largest score is that close: one pair reduction
-        # in place of the maximum (measured against a maximum and then a count: docs/kernel-notes.md)
-        if TOP2_PAIRS:  # the top two of a column pair are its max and min
-            a, b = tl.split(tl.reshape(s, (s.shape[0], s.shape[1] // 2, 2)))
-            rm, r2 = tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2)
-        else:
-            rm, r2 = tl.reduce((s, tl.full(s.shape, float("-inf"), tl.float32)), 1, _top2)
-        near_row = (r2 >= rm - eps_u) & (rm > float("-inf"))
+        # in place of the maximum and a count; neighbouring columns paired first (the top two of a pair are its
+        # max and min), 3 min/max per score where combining single scores takes 4
+        a, b = tl.split(tl.reshape(s, (s.shape[0], s.shape[1] // 2, 2)))
+        raw_max, raw_2nd = tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2)
+        tile_max, r2 = raw_max * scale, raw_2nd * scale
+        near_row = (r2 >= tile_max - eps_u) & (tile_max > float("-inf"))
     else:
-        rm = tl.max(s, 1)
-        if SCALE_IN_EXP:
-            rm = rm * scale
+        raw_max = tl.max(s, 1)
+    rm = _scaled_row_max(raw_max, scale)
     if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
-        smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
+        smax = tl.maximum(smax, tl.where(tile_max < float("inf"), tile_max, float("-inf")))
         repeated = tl.maximum(repeated, near_row.to(tl.int32))
-    tile_max = rm
     if STAB == 1:
         rm = _sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
     m_new = tl.maximum(m, rm)
     m_shift = _shift(m_new)
-    if SCALE_IN_EXP:
-        p = tl.math.exp2(s * scale - m_shift[:, None])
-    else:
-        p = tl.math.exp2(s - m_shift[:, None])
+    p = tl.math.exp2(tl.fma(s, scale, -m_shift[:, None]))
     if STAB == 2:
         p = tl.minimum(p, CLAMP_CEIL)
-    p_op = _cast(p, V.dtype.element_ty)
+    p_op = _cast(p, q.dtype)  # the inputs share one dtype; V is a descriptor under TMA
     if STATS:
         # P̄ rounds to 1 only within ~0.003 (base 2) of the shift: unless some row's second largest score is that
         # close, only each row's maximum can, and one exp2 per row decides it (the same value as its entry of p).
@@ -232,18 +236,21 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
         if tl.max((r2 >= m_shift - 0.01).to(tl.int32), 0) > 0:
             ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
         else:
-            top = tl.math.exp2(tile_max - m_shift)
+            top = tl.math.exp2(tl.fma(raw_max, scale, -m_shift))
             if STAB == 2:
                 top = tl.minimum(top, CLAMP_CEIL)
-            ones += (_cast(top, V.dtype.element_ty) == 1.0).to(tl.int32)
+            ones += (_cast(top, q.dtype) == 1.0).to(tl.int32)
     alpha = tl.math.exp2(m - m_shift)
     l = l * alpha + tl.sum(p, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    v_ptrs = V + v_off + offs_n[:, None] * stride_vt + tl.arange(0, HEAD_DIM)[None, :]
-    if MASKED:
-        v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+    if TMA:
+        v = V.load([start_n, 0])
     else:
-        v = tl.load(v_ptrs)
+        v_ptrs = V + v_off + offs_n[:, None] * stride_vt + tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
     acc = _dot(p_op, v, acc * alpha[:, None], False)
     return m_new, l, acc, repeated, ones, smax
 
@@ -262,7 +269,7 @@ def _attn_fwd(
     R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_DIV: tl.constexpr,
     R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    TOP2_PAIRS: tl.constexpr = False, SCALE_IN_EXP: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     scale, eps_u = _fp32(scale), _fp32(eps_u)
     if HEADS_FIRST:  # grid (heads, query tiles), every head's heaviest causal tile first (SFA: measured faster)
@@ -290,18 +297,25 @@ def _attn_fwd(
     hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
 
     if not EMU:
+        # study switch TMA (docs/kernel-notes.md): K and V tiles by the tensor memory accelerator, one descriptor per
+        # head (needs triton.set_allocator for the descriptors' global scratch)
+        if TMA:
+            KS = tl.make_tensor_descriptor(K + k_off, [T, HEAD_DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
+            VS = tl.make_tensor_descriptor(V + v_off, [T, HEAD_DIM], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
+        else:
+            KS, VS = K, V
         # blocks left of the diagonal (causal) or before the ragged end need no mask
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         for start_n in range(0, free, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
-                q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
+                q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL, TOP2_PAIRS, SCALE_IN_EXP)
+                BOUNDED, CLAMP_CEIL, TMA)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_native_tile(
-                q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
+                q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated,
                 ones, smax, eps_u, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW, HIGH,
-                BOUNDED, CLAMP_CEIL, TOP2_PAIRS, SCALE_IN_EXP)
+                BOUNDED, CLAMP_CEIL, TMA)
         empty = m == float("-inf")
         o = acc / tl.where(empty, 1.0, l)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.math.log2(l))  # base 2: the backward's units

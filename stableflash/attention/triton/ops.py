@@ -200,8 +200,8 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,2) int32, max (H,) fp32).
 
     lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
-    Without `stats` the two counters are empty. `variants`: the forward kernel's study switches (`TOP2_PAIRS`,
-    `SCALE_IN_EXP`; benchmarks/forward_variants.py), with a fixed `tile`.
+    Without `stats` the two counters are empty. `variants`: the forward kernel's study switches (`TMA`, which needs
+    `triton.set_allocator`; benchmarks/forward_variants.py), with a fixed `tile`.
     """
     spec, meta, *_ = _meta(key)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
