@@ -184,16 +184,6 @@ def _shift(m):
 
 
 @triton.jit
-def _scaled_row_max(rm, scale):
-    """A row maximum of raw qk in base-2 units, rounded up where fl(rm·scale) fell short of the exact product, so that
-    exp2(fma(qk, scale, -m)) <= 1 (unrounded, the residual is up to half an ulp of m: exp2 of it is inf at |m| ~ 1e11)."""
-    m = rm * scale
-    bits = m.to(tl.int32, bitcast=True)
-    up = tl.where(m > 0, bits + 1, tl.where(m < 0, bits - 1, 1)).to(tl.float32, bitcast=True)
-    return tl.where(tl.fma(rm, scale, -m) > 0, up, m)
-
-
-@triton.jit
 def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale,
                      m, l, acc, repeated, ones, smax, eps_u,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
@@ -201,31 +191,30 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
                      HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TMA: tl.constexpr):
     """One key tile of the production-FA2 online softmax (base-2 units).
 
-    As FA2's CUDA kernel does, the row maximum is taken over raw qk and the scale folded into the exponent's FFMA,
-    exp2(fma(qk, scale, -m)): two operations per score before the exponential where scaling first takes three
-    (measured: docs/kernel-notes.md). The repeated-maximum test and the statistics see fl(qk·scale) of the row's top
-    two, the same values as the top two of the scaled scores (rounding is monotone)."""
-    s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, 1.0, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
+    Scores are scaled before their maximum, so the row's maximum gives exp2(0) = 1 exactly. FA2's CUDA kernel folds
+    the scale into the exponent's FFMA, exp2(fma(qk, scale, -m)): measured 0-3% faster here, but there the maximum's
+    exponent is the rounding residual of m = fl(max qk·scale), up to half an ulp of m, which overflows exp2 (or
+    underflows a whole row to O = 0/0) from scores of ~2^31 on: NaN on the large-logit tests (docs/kernel-notes.md)."""
+    s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
                 False, False, 0, 0, TMA)
     if STATS or STAB == 1:
         # a row repeats its maximum (within eps) iff its second largest score is that close: one pair reduction
         # in place of the maximum and a count; neighbouring columns paired first (the top two of a pair are its
         # max and min), 3 min/max per score where combining single scores takes 4
         a, b = tl.split(tl.reshape(s, (s.shape[0], s.shape[1] // 2, 2)))
-        raw_max, raw_2nd = tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2)
-        tile_max, r2 = raw_max * scale, raw_2nd * scale
-        near_row = (r2 >= tile_max - eps_u) & (tile_max > float("-inf"))
+        rm, r2 = tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2)
+        near_row = (r2 >= rm - eps_u) & (rm > float("-inf"))
     else:
-        raw_max = tl.max(s, 1)
-    rm = _scaled_row_max(raw_max, scale)
+        rm = tl.max(s, 1)
     if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
-        smax = tl.maximum(smax, tl.where(tile_max < float("inf"), tile_max, float("-inf")))
+        smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
         repeated = tl.maximum(repeated, near_row.to(tl.int32))
+    tile_max = rm
     if STAB == 1:
         rm = _sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
     m_new = tl.maximum(m, rm)
     m_shift = _shift(m_new)
-    p = tl.math.exp2(tl.fma(s, scale, -m_shift[:, None]))
+    p = tl.math.exp2(s - m_shift[:, None])
     if STAB == 2:
         p = tl.minimum(p, CLAMP_CEIL)
     p_op = _cast(p, q.dtype)  # the inputs share one dtype; V is a descriptor under TMA
@@ -236,7 +225,7 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
         if tl.max((r2 >= m_shift - 0.01).to(tl.int32), 0) > 0:
             ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
         else:
-            top = tl.math.exp2(tl.fma(raw_max, scale, -m_shift))
+            top = tl.math.exp2(tile_max - m_shift)
             if STAB == 2:
                 top = tl.minimum(top, CLAMP_CEIL)
             ones += (_cast(top, q.dtype) == 1.0).to(tl.int32)
@@ -269,7 +258,7 @@ def _attn_fwd(
     R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_DIV: tl.constexpr,
     R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr,
 ):
     scale, eps_u = _fp32(scale), _fp32(eps_u)
     if HEADS_FIRST:  # grid (heads, query tiles), every head's heaviest causal tile first (SFA: measured faster)
