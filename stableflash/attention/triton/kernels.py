@@ -134,6 +134,18 @@ def _head_offset(bh, H, stride_b, stride_h):
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _mul_rn(a, b):
+    """a·b rounded on its own, never contracted with a later subtraction into an FMA: with fl(s) − m the row's
+    maximum gives exp2(0) = 1 at any magnitude, where exp2(fma(qk, scale, −m)) gets the rounding residual of m,
+    which overflows exp2, or underflows a whole row to O = 0/0, from scores of ~2^31 (docs/kernel-notes.md)."""
+    if _INTERPRET:
+        y = a * b
+    else:
+        y = libdevice.mul_rn(a, b)
+    return y
+
+
+@triton.jit
 def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale,
             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
             EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
@@ -154,7 +166,7 @@ def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale,
     if EMU:
         s = _round(_round(_round(qk, R_QK) * scale, R_QK), R_SCORES)
     else:
-        s = qk * scale  # scale already carries log2(e)
+        s = _mul_rn(qk, scale)  # scale already carries log2(e)
     if MASKED:
         valid = offs_n[None, :] < T
         if CAUSAL:
@@ -191,10 +203,9 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
                      HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TMA: tl.constexpr):
     """One key tile of the production-FA2 online softmax (base-2 units).
 
-    Scores are scaled before their maximum, so the row's maximum gives exp2(0) = 1 exactly. FA2's CUDA kernel folds
-    the scale into the exponent's FFMA, exp2(fma(qk, scale, -m)): measured 0-3% faster here, but there the maximum's
-    exponent is the rounding residual of m = fl(max qk·scale), up to half an ulp of m, which overflows exp2 (or
-    underflows a whole row to O = 0/0) from scores of ~2^31 on: NaN on the large-logit tests (docs/kernel-notes.md)."""
+    Scores are scaled (and rounded: `_mul_rn`) before their maximum, so the row's maximum gives exp2(0) = 1 exactly.
+    FA2's CUDA kernel folds the scale into the exponent's FFMA, exp2(fma(qk, scale, -m)), as Triton's FMA contraction
+    also did here in unmasked tiles until 2026-11-30: NaN at scores of ~2^31 and more (docs/kernel-notes.md)."""
     s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
                 False, False, 0, 0, TMA)
     if STATS or STAB == 1:
