@@ -3,7 +3,7 @@
 # The tests run on 6 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles.
 #   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants]...   (default: tests bench)
 # lab: the call-path layers at three shapes (benchmarks/attention_tiles.py)
-# variants: the forward kernel's study switches against the kernel as it ships (benchmarks/forward_variants.py)
+# variants: the kernels' study switches against the kernels as they ship (benchmarks/kernel_switches.py)
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -28,8 +28,8 @@ for part in $parts; do
     lab) python3 benchmarks/attention_tiles.py --parts paths --out "$out/attention-lab.json" \
            --shapes "16,12,1024,64;4,12,4096,64;4,16,4096,128" 2>&1 | grep -v Warning | tail -60 > "$out/attention-lab.log"
          grep "==" "$out/attention-lab.log" ;;
-    variants) python3 benchmarks/forward_variants.py --out "$out/forward-variants-h200.json" 2>&1 | grep -v Warning \
-                | tee "$out/forward-variants.log" ;;
+    variants) python3 benchmarks/kernel_switches.py --out "$out/kernel-switches-h200.json" 2>&1 | grep -v Warning \
+                | tee "$out/kernel-switches.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

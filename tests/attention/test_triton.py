@@ -260,9 +260,10 @@ def test_pbar_one_counts_on_random_rows_match_the_reference_with_the_same_tiles(
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_forward_tma_loads_under_study(causal):
-    """The forward's study switch TMA (docs/kernel-notes.md) only changes how K and V tiles reach shared memory:
-    outputs and every statistic bit for bit, with SFA, on a ragged T (the descriptor reads rows past T as 0)."""
+def test_tma_loads_under_study(causal):
+    """The kernels' study switch TMA (docs/kernel-notes.md) only changes how the streamed tiles reach shared memory
+    (K and V in the forward and dQ kernels, Q and dO in dK/dV's): outputs, statistics and gradients bit for bit, with
+    and without SFA, on a ragged T (descriptors read rows past T as 0) and on a model's strided heads."""
     import triton
 
     from stableflash.attention.triton import ops
@@ -279,6 +280,19 @@ def test_forward_tma_loads_under_study(causal):
         tma = ops.forward(q, k, v, causal, D**-0.5, key, stats, eps, tile=tile, TMA=True)
         for name, a, b in zip(["out", "o_saved", "lse", "counts", "max"], base, tma):
             assert torch.equal(a, b), name
+
+    B, T, H = 2, 77, 3  # the backward on a model's heads: (B, T, H, D) memory viewed as (B, H, T, D)
+    qkv, dout = (torch.randn(B, T, n * H * D).to(torch.bfloat16).to(DEVICE) for n in (3, 1))
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
+    dout = dout.view(B, T, H, D).transpose(1, 2)
+    key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, T))
+    out, o_saved, lse, _, _ = ops.forward(q, k, v, causal, D**-0.5, key, False, 0.0, tile=tile)
+    saved = o_saved if o_saved.numel() else out
+    base = ops.backward(dout, q, k, v, saved, lse, causal, D**-0.5, key, tiles=(tile, tile))
+    tma = ops.backward(dout, q, k, v, saved, lse, causal, D**-0.5, key, tiles=(tile, tile), TMA=True)
+    for name, a, b in zip(["dq", "dk", "dv"], base, tma):
+        assert torch.equal(a, b), name
+    assert base[0].abs().sum() > 0
 
 
 def test_per_head_override_and_strided_inputs():

@@ -453,11 +453,16 @@ def _load_lse(LSE, offs, T, EMU: tl.constexpr):
 def _key_tile_p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                    EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
-                   R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr):
-    """For the query rows `offs_m` and the key tile at `start_n`: its keys k, P (recomputed) and dP = dO Vᵀ."""
+                   R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr, TMA: tl.constexpr = False):
+    """For the query rows `offs_m` and the key tile at `start_n`: its keys k, P (recomputed) and dP = dO Vᵀ.
+    K and V are the head's tensor descriptors under TMA, else pointers."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
-    v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
+    if TMA:
+        k = K.load([start_n, 0])
+        v = V.load([start_n, 0])
+    else:
+        k = _load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
+        v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
     p = _bwd_probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
     dp = _round(_dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), OPS_FP32), R_DP)
     return k, p, dp
@@ -509,10 +514,16 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
                dk, dv, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
                R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr, R_DP: tl.constexpr,
-               R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr):
+               R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
+               TMA: tl.constexpr = False):
+    """One query tile's share of dK and dV; Q and dO are the head's tensor descriptors under TMA, else pointers."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
-    do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
+    if TMA:
+        q = Q.load([start_m, 0])
+        do = DO.load([start_m, 0])
+    else:
+        q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
+        do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
     lse = _load_lse(LSE + row_off, offs_m, T, EMU)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
     pt = _bwd_probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
@@ -538,9 +549,10 @@ def _attn_bwd_dkdv(
     EMU: tl.constexpr, OPS_FP32: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
-    R_DV: tl.constexpr, R_DK: tl.constexpr,
+    R_DV: tl.constexpr, R_DK: tl.constexpr, TMA: tl.constexpr,
 ):
-    """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it."""
+    """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it.
+    Study switch TMA (native path; docs/kernel-notes.md): Q and dO tiles by tensor descriptors."""
     qk_scale, scale = _fp32(qk_scale), _fp32(scale)
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -556,21 +568,26 @@ def _attn_bwd_dkdv(
     lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
 
     if not EMU:
+        if TMA:
+            QS = tl.make_tensor_descriptor(Q + q_off, [T, HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
+            DOS = tl.make_tensor_descriptor(DO + do_off, [T, HEAD_DIM], [stride_dot, 1], [BLOCK_M, HEAD_DIM])
+        else:
+            QS, DOS = Q, DO
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
         free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
         for start_m in range(lo, diag_end, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, False, False,
-                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA)
         for start_m in range(diag_end, free_end, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, False, False, False,
-                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA)
         for start_m in range(free_end, T, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, False, False,
-                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA)
         dk = dk * scale
     else:
         # accumulate each logical query tile in fp32, then round and add it as the reference does
@@ -597,9 +614,10 @@ def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_k
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
              EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
              R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr,
-             R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr):
+             R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr, TMA: tl.constexpr = False):
     k, p, dp = _key_tile_p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
-                              BLOCK_N, HEAD_DIM, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P, R_DP)
+                              BLOCK_N, HEAD_DIM, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P, R_DP,
+                              TMA)
     ds = _round(_round(p * _round(dp - delta[:, None], R_DS1), R_DS2), R_DS)
     if OPS_FP32:
         dq = _dot(_round(ds, R_DS_OP), k, dq, True)
@@ -619,9 +637,10 @@ def _attn_bwd_dq(
     R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
-    R_DQ: tl.constexpr,
+    R_DQ: tl.constexpr, TMA: tl.constexpr,
 ):
-    """dQ (strides `stride_g*`) for one query tile, looping over the key tiles it sees.
+    """dQ (strides `stride_g*`) for one query tile, looping over the key tiles it sees. Study switch TMA (native
+    path; docs/kernel-notes.md): K and V tiles by tensor descriptors.
 
     With DELTA_HERE it first computes its rows' δ = rowsum(dO * O) and stores it for the dK/dV kernel, launched
     after it: one launch fewer than a separate δ pass."""
@@ -646,13 +665,18 @@ def _attn_bwd_dq(
     hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
 
     if not EMU:
+        if TMA:
+            KS = tl.make_tensor_descriptor(K + k_off, [T, HEAD_DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
+            VS = tl.make_tensor_descriptor(V + v_off, [T, HEAD_DIM], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
+        else:
+            KS, VS = K, V
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         for start_n in range(0, free, BLOCK_N):
-            dq = _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq,
-                          BLOCK_N, HEAD_DIM, CAUSAL, False, False, False, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+            dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+                          dq, BLOCK_N, HEAD_DIM, CAUSAL, False, False, False, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA)
         for start_n in range(free, hi, BLOCK_N):
-            dq = _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq,
-                          BLOCK_N, HEAD_DIM, CAUSAL, True, False, False, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+            dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+                          dq, BLOCK_N, HEAD_DIM, CAUSAL, True, False, False, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA)
         dq = dq * scale
     else:
         dq_run = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)

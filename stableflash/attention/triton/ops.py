@@ -175,7 +175,7 @@ def _meta(key: str):
                TILE_CLAMP=spec.tile_clamp, **{n: codes[n] for n in _FWD_CODES},
                # study switch, off: K/V by TMA measured +4-5% forward at D = 128, 1.5-9% slower at D = 64
                TMA=False)
-    bwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, **{n: codes[n] for n in _BWD_CODES})
+    bwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, **{n: codes[n] for n in _BWD_CODES}, TMA=False)  # study switch
     delta = None
     if spec.delta_dpp:
         delta = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32,
@@ -203,7 +203,7 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
 
     lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
     Without `stats` the two counters are empty. `variants`: the forward kernel's study switches (`TMA`, which needs
-    `triton.set_allocator`; benchmarks/forward_variants.py), with a fixed `tile`.
+    `triton.set_allocator`; benchmarks/kernel_switches.py), with a fixed `tile`.
     """
     spec, meta, *_ = _meta(key)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
@@ -230,10 +230,13 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     return out, o_saved, lse, counts, smax
 
 
-def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None), launch=_launch):
+def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None), launch=_launch,
+             **variants):
     """dQ, dK, dV (each in its input's memory order); `tiles` = (dK/dV config, dQ config) forces the tiles
-    instead of autotuning (benchmarks)."""
+    instead of autotuning (benchmarks). `variants`: the dQ and dK/dV kernels' study switches (`TMA`, which needs
+    `triton.set_allocator`; benchmarks/kernel_switches.py)."""
     spec, _, delta_meta, meta, dkdv_meta, dq_meta = _meta(key)
+    meta = {**meta, **variants}
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
     units = 1.0 if spec.emu else LOG2E
