@@ -57,6 +57,20 @@ def test_native_forward_scales_scores_without_contraction(stabilize):
     assert len(re.findall(r"\bfma\.rn\.f32", ptx)) < scores_per_thread
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["paper", "fp32"])
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_emulated_kernels_round_every_product(preset, kernel):
+    """Under emulation a product and the sum after it are two roundings, as in the reference; an FMA makes them one.
+    Triton contracts wherever a policy keeps a site in fp32 (`_round` is then the identity) unless the product is
+    `mul.rn`; it did at 64-124 sites per kernel until 2026-11-30. (libdevice's exp and log keep their own
+    `fma.rn.ftz`, part of computing them.)"""
+    key = ops.register_spec(build_spec(resolve(preset), None, torch.bfloat16, 4096))
+    config = ops._emu_config(preset == "fp32", 64)
+    ptx = compile_kernel(kernel, constexprs(key, kernel, 64, config), config).asm["ptx"]
+    assert not re.findall(r"\bfma\.rn\.f32", ptx)
+
+
 @pytest.mark.parametrize("precision,stabilize,stats", [("fa2", None, False), ("fa2", "sfa", True),
                                                        ("paper", "sfa", True), ("paper+dp_p", None, False)])
 def test_every_launch_gives_each_kernel_parameter_a_value(precision, stabilize, stats):

@@ -60,11 +60,13 @@ def _round_up_bf16(x):
 
 @triton.jit
 def _exp(x):
-    """exp as the reference computes it (correctly rounded fp32), not the fast ex2.approx."""
+    """libdevice's expf (CUDA's exp, within 2 ulp) for the emulated presets, not the fast ex2.approx. The `add.rn` of
+    +0 (an identity on exp's results) keeps exp's last multiply from fusing into the caller's next sum, a rounding
+    the reference makes (docs/kernel-notes.md)."""
     if _INTERPRET:
         y = tl.exp(x)
     else:
-        y = libdevice.exp(x)
+        y = libdevice.add_rn(libdevice.exp(x), 0.0)
     return y
 
 
@@ -135,9 +137,10 @@ def _head_offset(bh, H, stride_b, stride_h):
 
 @triton.jit
 def _mul_rn(a, b):
-    """a·b rounded on its own, never contracted with a later subtraction into an FMA: with fl(s) − m the row's
-    maximum gives exp2(0) = 1 at any magnitude, where exp2(fma(qk, scale, −m)) gets the rounding residual of m,
-    which overflows exp2, or underflows a whole row to O = 0/0, from scores of ~2^31 (docs/kernel-notes.md)."""
+    """a·b rounded on its own, never contracted with a later addition into an FMA (PTX `mul.rn`). Natively, for the
+    scores: with fl(s) − m a row's maximum gives exp2(0) = 1 at any magnitude, where exp2(fma(qk, scale, −m)) gets
+    the rounding residual of m, which overflows exp2, or underflows a whole row to O = 0/0, from scores of ~2^31.
+    Under emulation, at every product followed by a sum: the reference rounds both (docs/kernel-notes.md)."""
     if _INTERPRET:
         y = a * b
     else:
@@ -164,7 +167,7 @@ def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale,
             kt = tl.load(k_ptrs)
     qk = _dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), OPS_FP32)
     if EMU:
-        s = _round(_round(_round(qk, R_QK) * scale, R_QK), R_SCORES)
+        s = _round(_round(_mul_rn(_round(qk, R_QK), scale), R_QK), R_SCORES)
     else:
         s = _mul_rn(qk, scale)  # scale already carries log2(e)
     if MASKED:
@@ -368,8 +371,8 @@ def _attn_fwd(
                 tile_sum = tl.maximum(tile_sum, TILE_CLAMP)
             pv = _round(pv, R_PV)
             rescale = _round(_exp(_round(m - m_shift, R_ROW_MAX)), R_RESCALE)
-            l = _round(_round(_round(rescale * l, R_L1) + tile_sum, R_L2), R_ROW_SUM)
-            acc = _round(_round(_round(acc * rescale[:, None], R_A1) + pv, R_A2), R_ACC)
+            l = _round(_round(_round(_mul_rn(rescale, l), R_L1) + tile_sum, R_L2), R_ROW_SUM)
+            acc = _round(_round(_round(_mul_rn(acc, rescale[:, None]), R_A1) + pv, R_A2), R_ACC)
             m = m_new
         empty = m == float("-inf")
         o = _round(acc / tl.where(empty, 1.0, l)[:, None], R_DIV)
@@ -398,9 +401,13 @@ def _attn_fwd(
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _row_delta(o, do, R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr):
-    """δ = rowsum(dO * O) of a tile of rows, rounded as the policy says."""
-    return _round(tl.sum(_round(_round(do.to(tl.float32) * o.to(tl.float32), R_MUL), R_TERMS), 1), R_DELTA)
+def _row_delta(o, do, EMU: tl.constexpr, R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr):
+    """δ = rowsum(dO * O) of a tile of rows, rounded as the policy says (each product on its own under EMU)."""
+    if EMU:
+        terms = _mul_rn(do.to(tl.float32), o.to(tl.float32))
+    else:
+        terms = do.to(tl.float32) * o.to(tl.float32)
+    return _round(tl.sum(_round(_round(terms, R_MUL), R_TERMS), 1), R_DELTA)
 
 
 @triton.jit
@@ -410,7 +417,7 @@ def _bwd_probs_t(k, q, lse, offs_n, offs_m, T, scale,
     """Pᵀ for one (keys, queries) tile, recomputed from the saved log-sum-exp (+inf for empty rows)."""
     qkt = _dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), OPS_FP32)
     if EMU:
-        s = _round(_round(_round(qkt, R_QK) * scale, R_QK), R_SCORES)
+        s = _round(_round(_mul_rn(_round(qkt, R_QK), scale), R_QK), R_SCORES)
         pt = _round(_exp(_round(s - lse[None, :], R_P_SUB)), R_P)
     else:
         # P <= 1 exactly; with scores ~1e11 the recomputed S can exceed the saved lse by a few fp32 ulps
@@ -430,7 +437,7 @@ def _bwd_probs(q, k, lse, offs_m, offs_n, T, scale,
     """P for one (queries, keys) tile: the dQ kernel's orientation of `_bwd_probs_t`."""
     qk = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), OPS_FP32)
     if EMU:
-        s = _round(_round(_round(qk, R_QK) * scale, R_QK), R_SCORES)
+        s = _round(_round(_mul_rn(_round(qk, R_QK), scale), R_QK), R_SCORES)
         p = _round(_exp(_round(s - lse[:, None], R_P_SUB)), R_P)
     else:
         p = tl.math.exp2(tl.minimum(qk * scale - lse[:, None], 0.0))
@@ -504,7 +511,7 @@ def _attn_bwd_delta_dpp(
             _, p, dp = _key_tile_p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
                                       qk_scale, BLOCK_N, HEAD_DIM, CAUSAL, True, EMU, OPS_FP32, R_QK, R_SCORES,
                                       R_P_SUB, R_P, R_DP)
-            part += tl.sum(_round(_round(dp * p, R_DPP), R_TERMS), 1)
+            part += tl.sum(_round(_round(_mul_rn(dp, p), R_DPP), R_TERMS), 1)
         delta = _round(delta + _round(part, R_DELTA), R_DELTA)
     tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
 
@@ -532,7 +539,10 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
     else:
         dv = _dot(_cast(pt, do.dtype), do, dv, False)
     dpt = _round(_dot(v, tl.trans(do), tl.zeros((v.shape[0], BLOCK_M), tl.float32), OPS_FP32), R_DP)
-    dst = _round(_round(pt * _round(dpt - delta[None, :], R_DS1), R_DS2), R_DS)
+    if EMU:  # the product rounded on its own, as the reference rounds it
+        dst = _round(_round(_mul_rn(pt, _round(dpt - delta[None, :], R_DS1)), R_DS2), R_DS)
+    else:
+        dst = pt * (dpt - delta[None, :])
     if OPS_FP32:
         dk = _dot(_round(dst, R_DS_OP), q, dk, True)
     else:
@@ -601,7 +611,7 @@ def _attn_bwd_dkdv(
                                     stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, True, OPS_FP32,
                                     R_QK, R_SCORES, R_P_SUB, R_P, R_P_OP, R_DP, R_DS1, R_DS2, R_DS, R_DS_OP)
             dv_run = _round(dv_run + _round(dv, R_DV), R_DV)
-            dk_run = _round(dk_run + _round(_round(dk, R_DK) * scale, R_DK), R_DK)
+            dk_run = _round(dk_run + _round(_mul_rn(_round(dk, R_DK), scale), R_DK), R_DK)
         dk = dk_run
         dv = dv_run
     out = _head_offset(bh, H, stride_gb, stride_gh) + offs_n[:, None] * stride_gt + offs_d[None, :]
@@ -618,7 +628,10 @@ def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_k
     k, p, dp = _key_tile_p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
                               BLOCK_N, HEAD_DIM, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P, R_DP,
                               TMA)
-    ds = _round(_round(p * _round(dp - delta[:, None], R_DS1), R_DS2), R_DS)
+    if EMU:  # the product rounded on its own, as the reference rounds it
+        ds = _round(_round(_mul_rn(p, _round(dp - delta[:, None], R_DS1)), R_DS2), R_DS)
+    else:
+        ds = p * (dp - delta[:, None])
     if OPS_FP32:
         dq = _dot(_round(ds, R_DS_OP), k, dq, True)
     else:
@@ -655,7 +668,7 @@ def _attn_bwd_dq(
     do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
     if DELTA_HERE:  # before Q is loaded: fewer tiles live at once
         o = _load_rows(O + _head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
-        delta = _row_delta(o, do, R_MUL, R_TERMS, R_DELTA)
+        delta = _row_delta(o, do, EMU, R_MUL, R_TERMS, R_DELTA)
         tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
     else:
         delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
@@ -686,7 +699,7 @@ def _attn_bwd_dq(
                 dq = _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
                               dq, BLOCK_N, HEAD_DIM, CAUSAL, True, True, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P,
                               R_DP, R_DS1, R_DS2, R_DS, R_DS_OP)
-            dq_run = _round(dq_run + _round(_round(dq, R_DQ) * scale, R_DQ), R_DQ)
+            dq_run = _round(dq_run + _round(_mul_rn(_round(dq, R_DQ), scale), R_DQ), R_DQ)
         dq = dq_run
     out = _head_offset(bh, H, stride_gb, stride_gh) + offs_m[:, None] * stride_gt + offs_d[None, :]
     tl.store(DQ + out, _cast(dq, DQ.dtype.element_ty), mask=rows)
