@@ -126,6 +126,28 @@ def _load_rows(ptr, offs, stride_t, T, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _head_rows(X, x_off, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Under TMA (study switch: docs/kernel-notes.md), a tensor descriptor of one head's (T, HEAD_DIM) rows in blocks
+    of ROWS; else X itself. Descriptors need global scratch: `triton.set_allocator`."""
+    if TMA:
+        d = tl.make_tensor_descriptor(X + x_off, [T, HEAD_DIM], [stride_t, 1], [ROWS, HEAD_DIM])
+    else:
+        d = X
+    return d
+
+
+@triton.jit
+def _tile_rows(X, x_off, start, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Rows start..start+ROWS of one head, rows past T read as 0: from its descriptor X under TMA (`_head_rows`),
+    else through pointers X + x_off."""
+    if TMA:
+        t = X.load([start, 0])
+    else:
+        t = _load_rows(X + x_off, start + tl.arange(0, ROWS), stride_t, T, HEAD_DIM)
+    return t
+
+
+@triton.jit
 def _head_offset(bh, H, stride_b, stride_h):
     """Element offset of (batch, head) = divmod(bh, H) in a (B, H, T, D) tensor with these strides."""
     return (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
@@ -250,7 +272,7 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
         v = V.load([start_n, 0])
     else:
         v_ptrs = V + v_off + offs_n[:, None] * stride_vt + tl.arange(0, HEAD_DIM)[None, :]
-        if MASKED:
+        if MASKED:  # unmasked tiles load without a mask (`_load_rows` always masks)
             v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
         else:
             v = tl.load(v_ptrs)
@@ -300,13 +322,8 @@ def _attn_fwd(
     hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
 
     if not EMU:
-        # study switch TMA (docs/kernel-notes.md): K and V tiles by the tensor memory accelerator, one descriptor per
-        # head (needs triton.set_allocator for the descriptors' global scratch)
-        if TMA:
-            KS = tl.make_tensor_descriptor(K + k_off, [T, HEAD_DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
-            VS = tl.make_tensor_descriptor(V + v_off, [T, HEAD_DIM], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
-        else:
-            KS, VS = K, V
+        KS = _head_rows(K, k_off, stride_kt, T, BLOCK_N, HEAD_DIM, TMA)
+        VS = _head_rows(V, v_off, stride_vt, T, BLOCK_N, HEAD_DIM, TMA)
         # blocks left of the diagonal (causal) or before the ragged end need no mask
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         for start_n in range(0, free, BLOCK_N):
@@ -464,12 +481,8 @@ def _key_tile_p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt
     """For the query rows `offs_m` and the key tile at `start_n`: its keys k, P (recomputed) and dP = dO Vᵀ.
     K and V are the head's tensor descriptors under TMA, else pointers."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if TMA:
-        k = K.load([start_n, 0])
-        v = V.load([start_n, 0])
-    else:
-        k = _load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
-        v = _load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
+    k = _tile_rows(K, k_off, start_n, stride_kt, T, BLOCK_N, HEAD_DIM, TMA)
+    v = _tile_rows(V, v_off, start_n, stride_vt, T, BLOCK_N, HEAD_DIM, TMA)
     p = _bwd_probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
     dp = _round(_dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), OPS_FP32), R_DP)
     return k, p, dp
@@ -525,12 +538,8 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
                TMA: tl.constexpr = False):
     """One query tile's share of dK and dV; Q and dO are the head's tensor descriptors under TMA, else pointers."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    if TMA:
-        q = Q.load([start_m, 0])
-        do = DO.load([start_m, 0])
-    else:
-        q = _load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
-        do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
+    q = _tile_rows(Q, q_off, start_m, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
+    do = _tile_rows(DO, do_off, start_m, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
     lse = _load_lse(LSE + row_off, offs_m, T, EMU)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
     pt = _bwd_probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, CAUSAL, MASKED, EMU, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
@@ -578,11 +587,8 @@ def _attn_bwd_dkdv(
     lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
 
     if not EMU:
-        if TMA:
-            QS = tl.make_tensor_descriptor(Q + q_off, [T, HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
-            DOS = tl.make_tensor_descriptor(DO + do_off, [T, HEAD_DIM], [stride_dot, 1], [BLOCK_M, HEAD_DIM])
-        else:
-            QS, DOS = Q, DO
+        QS = _head_rows(Q, q_off, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
+        DOS = _head_rows(DO, do_off, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
         free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
@@ -678,11 +684,8 @@ def _attn_bwd_dq(
     hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
 
     if not EMU:
-        if TMA:
-            KS = tl.make_tensor_descriptor(K + k_off, [T, HEAD_DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
-            VS = tl.make_tensor_descriptor(V + v_off, [T, HEAD_DIM], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
-        else:
-            KS, VS = K, V
+        KS = _head_rows(K, k_off, stride_kt, T, BLOCK_N, HEAD_DIM, TMA)
+        VS = _head_rows(V, v_off, stride_vt, T, BLOCK_N, HEAD_DIM, TMA)
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         for start_n in range(0, free, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
