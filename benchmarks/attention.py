@@ -4,6 +4,7 @@ Causal, bf16. Forward FLOPs 4·B·H·T²·D/2, forward+backward 3.5x that; media
 `triton.testing.do_bench` over fresh random inputs. Prints a table and writes JSON:
 
     python benchmarks/attention.py --out results/attention-bench-h200.json
+    python benchmarks/attention.py --summary results/attention-bench-h200.json   # the ratio table again, no GPU
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("results/attention-bench-h200.json"))
     parser.add_argument("--impls", default=None, help="comma-separated subset of the implementations")
     parser.add_argument("--shapes", default=None, help="e.g. 16,12,1024,64;4,12,4096,64")
+    parser.add_argument("--summary", type=Path, default=None, help="print the ratio table of this JSON and exit")
     args = parser.parse_args()
+    if args.summary is not None:
+        print_summary(json.loads(args.summary.read_text())["rows"])
+        return
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     rows = []
     print(f"{'shape':<22}{'impl':<24}{'fwd':>10}{'fwd+bwd':>10}{'fwd graph':>11}{'f+b graph':>11}   TFLOP/s")
@@ -122,17 +127,31 @@ def _fmt(x):
 
 
 def print_summary(rows):
-    """Ratios the issue's targets are stated in, per shape."""
+    """The ratios the issue's targets are stated in, per shape, forward+backward: eager (host work included) and from
+    a CUDA graph (device time). Costs are the slowdown against the kernel without the feature, in percent."""
     by = {(tuple(r["shape"]), r["impl"]): r for r in rows}
-    print(f"\n{'shape':<22}{'sfa/fa2':>9}{'sfa/cudnn':>11}{'sfa cost':>10}{'stats cost':>11}{'paper/tiled':>13}  (fwd+bwd)")
-    for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
-        def ratio(a, b, shape=shape):
-            x, y = (by.get((shape, n), {}).get("fwdbwd_tflops") for n in (a, b))
-            return "-" if x is None or y is None else f"{x / y:.2f}"
 
-        print(f"{str(shape):<22}{ratio('stableflash-sfa', 'sdpa-flash'):>9}{ratio('stableflash-sfa', 'sdpa-cudnn'):>11}"
-              f"{ratio('stableflash-sfa', 'stableflash'):>10}{ratio('stableflash-sfa-stats', 'stableflash-sfa'):>11}"
-              f"{ratio('stableflash-paper', 'torch-tiled-paper'):>13}")
+    def value(shape, impl, key):
+        return by.get((shape, impl), {}).get(key)
+
+    def ratio(shape, a, b, key):
+        x, y = value(shape, a, key), value(shape, b, key)
+        return "-" if x is None or y is None else f"{x / y:.2f}x"
+
+    def cost(shape, with_it, without, key):
+        x, y = value(shape, with_it, key), value(shape, without, key)
+        return "-" if x is None or y is None else f"{100 * (1 - x / y):.1f}%"
+
+    print(f"\n{'shape':<22}{'timing':<8}{'sfa/fa2':>9}{'sfa/cudnn':>11}{'sfa cost':>10}{'stats cost':>12}{'paper/tiled':>13}"
+          "  (fwd+bwd)")
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
+        for timing, key in (("eager", "fwdbwd_tflops"), ("graph", "fwdbwd_tflops_cudagraph")):
+            # the tiled reference has no graph column: its ratio is eager on both lines
+            print(f"{str(shape):<22}{timing:<8}{ratio(shape, 'stableflash-sfa', 'sdpa-flash', key):>9}"
+                  f"{ratio(shape, 'stableflash-sfa', 'sdpa-cudnn', key):>11}"
+                  f"{cost(shape, 'stableflash-sfa', 'stableflash', key):>10}"
+                  f"{cost(shape, 'stableflash-sfa-stats', 'stableflash-sfa', key):>12}"
+                  f"{ratio(shape, 'stableflash-paper', 'torch-tiled-paper', 'fwdbwd_tflops'):>13}")
 
 
 if __name__ == "__main__":

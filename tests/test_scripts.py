@@ -35,3 +35,19 @@ def test_sweep_runs_in_parallel_and_prints_the_verdict(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--out", str(tmp_path / "x"),
                           "--settings", "warp"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--settings: unknown ['warp']" in bad.stderr
+
+
+def test_attention_benchmark_summary_reprints_the_ratio_table_without_a_gpu(tmp_path):
+    rows = [{"shape": [1, 2, 256, 64], "impl": impl, "fwd_tflops": 1.0, "fwdbwd_tflops": eager,
+             "fwd_tflops_cudagraph": 1.0, "fwdbwd_tflops_cudagraph": graph}
+            for impl, eager, graph in [("stableflash", 100.0, 200.0), ("stableflash-sfa", 90.0, 190.0),
+                                       ("stableflash-sfa-stats", 81.0, 180.5), ("stableflash-paper", 20.0, 21.0),
+                                       ("sdpa-flash", 60.0, 95.0), ("sdpa-cudnn", 120.0, 200.0)]]
+    rows.append({"shape": [1, 2, 256, 64], "impl": "torch-tiled-paper", "fwd_tflops": 1.0, "fwdbwd_tflops": 2.0})
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--summary", str(path)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    # eager: SFA 90 against FA2 60, cuDNN 120, plain 100; statistics 81 against SFA 90; paper 20 against tiled 2
+    assert out[out.index("eager") + 1:out.index("eager") + 6] == ["1.50x", "0.75x", "10.0%", "10.0%", "10.00x"]
+    assert out[out.index("graph") + 1:out.index("graph") + 6] == ["2.00x", "0.95x", "5.0%", "5.0%", "10.00x"]
