@@ -215,6 +215,12 @@ def _top2(a1, a2, b1, b2):
 
 
 @triton.jit
+def _stats_combine(a_repeated, a_ones, a_max, b_repeated, b_ones, b_max):
+    """The statistics' per-program reduction: two counts and a maximum in one pass."""
+    return a_repeated + b_repeated, a_ones + b_ones, tl.maximum(a_max, b_max)
+
+
+@triton.jit
 def _shift(m):
     """Rows that have seen no finite score keep m = -inf; shift them by 0 so exp gives 0, not NaN."""
     return tl.where(m == float("-inf"), 0.0, m)
@@ -405,9 +411,11 @@ def _attn_fwd(
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
     if STATS:  # rows past T hold padding: left out here
         # relaxed: the counters need atomicity, not ordering (the default acq_rel fences every program's end)
-        tl.atomic_add(STAT_COUNTS + h * 2, tl.sum(tl.where(row_ok, repeated, 0), 0), sem="relaxed")
-        tl.atomic_add(STAT_COUNTS + h * 2 + 1, tl.sum(tl.where(row_ok, ones, 0), 0), sem="relaxed")
-        row_max = tl.max(tl.where(row_ok, smax, float("-inf")), 0)
+        # one reduction over the rows for all three (cross-warp: one round of shared memory and barriers, not three)
+        n_repeated, n_ones, row_max = tl.reduce((tl.where(row_ok, repeated, 0), tl.where(row_ok, ones, 0),
+                                                 tl.where(row_ok, smax, float("-inf"))), 0, _stats_combine)
+        tl.atomic_add(STAT_COUNTS + h * 2, n_repeated, sem="relaxed")
+        tl.atomic_add(STAT_COUNTS + h * 2 + 1, n_ones, sem="relaxed")
         if not EMU:
             row_max = row_max / _LOG2E
         tl.atomic_max(STAT_MAX + h, row_max, sem="relaxed")
