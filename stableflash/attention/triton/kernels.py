@@ -178,11 +178,10 @@ def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale,
     """One (BLOCK_M, BLOCK_N) tile of scores: base-2 units natively, the policy's rounding under EMU.
     K is the head's tensor descriptor under TMA (rows past T read as 0), else a pointer."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     if TMA:
         kt = tl.trans(K.load([start_n, 0]))
     else:
-        k_ptrs = K + k_off + offs_n[None, :] * stride_kt + offs_d[:, None]
+        k_ptrs = K + k_off + offs_n[None, :] * stride_kt + tl.arange(0, HEAD_DIM)[:, None]
         if MASKED:
             kt = tl.load(k_ptrs, mask=offs_n[None, :] < T, other=0.0)
         else:
@@ -273,10 +272,10 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
             ones += (_cast(top, q.dtype) == 1.0).to(tl.int32)
     alpha = tl.math.exp2(m - m_shift)
     l = l * alpha + tl.sum(p, 1)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
     if TMA:
         v = V.load([start_n, 0])
     else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         v_ptrs = V + v_off + offs_n[:, None] * stride_vt + tl.arange(0, HEAD_DIM)[None, :]
         if MASKED:  # unmasked tiles load without a mask (`_load_rows` always masks)
             v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
@@ -410,10 +409,10 @@ def _attn_fwd(
         tl.store(OS + o_ptrs, o.to(OS.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
     if STATS:  # rows past T hold padding: left out here
-        # relaxed: the counters need atomicity, not ordering (the default acq_rel fences every program's end)
         # one reduction over the rows for all three (cross-warp: one round of shared memory and barriers, not three)
         n_repeated, n_ones, row_max = tl.reduce((tl.where(row_ok, repeated, 0), tl.where(row_ok, ones, 0),
                                                  tl.where(row_ok, smax, float("-inf"))), 0, _stats_combine)
+        # relaxed: the counters need atomicity, not ordering (the default acq_rel fences every program's end)
         tl.atomic_add(STAT_COUNTS + h * 2, n_repeated, sem="relaxed")
         tl.atomic_add(STAT_COUNTS + h * 2 + 1, n_ones, sem="relaxed")
         if not EMU:

@@ -206,6 +206,7 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     `triton.set_allocator`; benchmarks/kernel_switches.py), with a fixed `tile`.
     """
     spec, meta, *_ = _meta(key)
+    meta = {**meta, **variants}
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
     out = empty_in_layout_of(q, spec.out_dtype)
@@ -226,7 +227,7 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
 
     launch(_fwd, kernels._attn_fwd, grid, q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
            *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u, spec.logical_n,
-           **{**meta, **variants}, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
+           **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
     return out, o_saved, lse, counts, smax
 
 
