@@ -34,13 +34,17 @@ def test_kernel_compiles_for_sm90(policy, kernel, config):
     assert 0 < usage["registers"] <= 255
 
 
+def _ptx(preset: str, stabilize, kernel: str, config) -> str:
+    """The sm_90 PTX of one kernel for a preset at D = 64, T = 4096."""
+    key = ops.register_spec(build_spec(resolve(preset), stabilize, torch.bfloat16, 4096))
+    return compile_kernel(kernel, constexprs(key, kernel, 64, config), config).asm["ptx"]
+
+
 @pytest.mark.slow
 def test_offline_compile_specialises_like_a_launch():
     """Without the launch's alignment hints Triton loads scalars and skips the cp.async pipeline, and the resource
     figures describe code the GPU never runs (they did until 2026-11-30)."""
-    key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, 4096))
-    config = ops._cfg(128, 64, 8, 3)
-    ptx = compile_kernel("fwd", constexprs(key, "fwd", 64, config), config).asm["ptx"]
+    ptx = _ptx("fa2", None, "fwd", ops._cfg(128, 64, 8, 3))
     assert "cp.async" in ptx and "ld.global.b16" not in ptx
 
 
@@ -50,9 +54,7 @@ def test_native_forward_scales_scores_without_contraction(stabilize):
     """Scores are fl(qk·scale) before exp2(s − m): contracted into exp2(fma(qk, scale, −m)), a row's maximum gets the
     rounding residual of m, and exp2 of it overflows from scores of ~2^31 (NaN in unmasked tiles until 2026-11-30).
     A contraction per score puts at least one `fma.rn.f32` per score a thread holds into the PTX."""
-    key = ops.register_spec(build_spec(resolve("fa2"), stabilize, torch.bfloat16, 4096))
-    config = ops._cfg(64, 64, 4, 3)
-    ptx = compile_kernel("fwd", constexprs(key, "fwd", 64, config), config).asm["ptx"]
+    ptx = _ptx("fa2", stabilize, "fwd", ops._cfg(64, 64, 4, 3))
     scores_per_thread = 64 * 64 // (4 * 32)
     assert len(re.findall(r"\bfma\.rn\.f32", ptx)) < scores_per_thread
 
@@ -65,9 +67,7 @@ def test_emulated_kernels_round_every_product(preset, kernel):
     Triton contracts wherever a policy keeps a site in fp32 (`_round` is then the identity) unless the product is
     `mul.rn`; it did at 64-124 sites per kernel until 2026-11-30. (libdevice's exp and log keep their own
     `fma.rn.ftz`, part of computing them.)"""
-    key = ops.register_spec(build_spec(resolve(preset), None, torch.bfloat16, 4096))
-    config = ops._emu_config(preset == "fp32", 64)
-    ptx = compile_kernel(kernel, constexprs(key, kernel, 64, config), config).asm["ptx"]
+    ptx = _ptx(preset, None, kernel, ops._emu_config(preset == "fp32", 64))
     assert not re.findall(r"\bfma\.rn\.f32", ptx)
 
 
