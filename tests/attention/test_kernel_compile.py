@@ -71,22 +71,28 @@ def test_emulated_kernels_round_every_product(preset, kernel):
     assert not re.findall(r"\bfma\.rn\.f32", ptx)
 
 
+@pytest.mark.parametrize("head_dim", [16, 128])
 @pytest.mark.parametrize("precision,stabilize,stats", [("fa2", None, False), ("fa2", "sfa", True),
                                                        ("paper", "sfa", True), ("paper+dp_p", None, False)])
-def test_every_launch_gives_each_kernel_parameter_a_value(precision, stabilize, stats):
+def test_every_launch_gives_each_kernel_parameter_a_value(precision, stabilize, stats, head_dim):
     """The contract the GPU launch cache and inductor's tracing rely on (neither runs under the interpreter): each
     launch passes the kernel's runtime arguments positionally and every compile-time one by name, the tile or a
-    default. Checked on recorded launches, without running a kernel."""
+    default. Checked on recorded launches, without running a kernel. At D = 128 the native kernels' tiles also
+    choose the load path (pointers or TMA), so the launch leaves TMA to them."""
     policy = resolve("paper").with_delta("dp_p") if precision == "paper+dp_p" else resolve(precision)
     key = ops.register_spec(build_spec(policy, SFA() if stabilize else None, torch.bfloat16, 100))
     launches = []
-    record = lambda tuned, plain, grid, *args, config=None, **meta: launches.append((plain, grid, args, meta, config))  # noqa: E731
-    q, k, v, dout = (torch.randn(2, 3, 100, 16, dtype=torch.bfloat16) for _ in range(4))
+    record = lambda tuned, plain, grid, *args, config=None, **meta: launches.append((tuned, plain, grid, args, meta, config))  # noqa: E731
+    q, k, v, dout = (torch.randn(2, 3, 100, head_dim, dtype=torch.bfloat16) for _ in range(4))
     out, _, lse, _, _ = ops.forward(q, k, v, True, 0.25, key, stats, 1e-3, launch=record)
     ops.backward(dout, q, k, v, out, lse, True, 0.25, key, launch=record)
     assert len(launches) == (4 if precision == "paper+dp_p" else 3)
-    for plain, grid, args, meta, config in launches:
-        tile = config or ops._cfg(64, 64, 4, 3)
+    either = precision == "fa2" and head_dim == 128
+    for tuned, plain, grid, args, meta, config in launches:
+        if tuned is not None:
+            assert {c.kwargs.get("TMA") for c in tuned.configs} == ({False, True} if either else {None})
+            assert ("TMA" in meta) != either
+        tile = config or (tuned.configs[0] if tuned is not None else ops._cfg(64, 64, 4, 3))
         assert not [p.name for p in plain.params[:len(args)] if p.is_constexpr], "a compile-time argument passed by position"
         assert set(meta) <= set(plain.arg_names), "an argument the kernel does not take"
         # inductor's wrap_triton rejects a launch that leaves a parameter to its default (it did on 2026-11-30)
@@ -94,3 +100,17 @@ def test_every_launch_gives_each_kernel_parameter_a_value(precision, stabilize, 
         assert len(ops.trailing_constexprs(plain, len(args), meta, tile)) == len(plain.arg_names) - len(args)
         dims = grid(tile.kwargs)
         assert len(dims) == 2 and all(isinstance(d, int) and d > 0 for d in dims)
+
+
+def test_tma_streamable_needs_16_byte_aligned_rows():
+    """TMA descriptors need 16-byte aligned bases and strides: a model's heads qualify, a misaligned view does not
+    (the launch then keeps pointer loads rather than letting the autotuner pick TMA)."""
+    B, T, H, D = 2, 77, 3, 128
+    qkv = torch.randn(B, T, 3 * H * D, dtype=torch.bfloat16)
+    heads = [t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2)]
+    assert ops.tma_streamable(*heads)
+    assert ops.tma_streamable(torch.randn(B, H, T, D, dtype=torch.bfloat16))
+    shifted = torch.randn(B * H * T * D + 1, dtype=torch.bfloat16)[1:].view(B, H, T, D)  # base 2 bytes past 16
+    assert not ops.tma_streamable(shifted)
+    odd_rows = torch.randn(B, H, T, D + 4, dtype=torch.bfloat16)[..., :D]  # row stride 264 bytes
+    assert not ops.tma_streamable(odd_rows)

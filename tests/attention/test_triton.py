@@ -307,6 +307,29 @@ def test_per_head_override_and_strided_inputs():
     assert torch.equal(ours[:, 1:2].float(), head1.float())
 
 
+@pytest.mark.skipif(INTERPRET, reason="the load path is chosen by the GPU's autotuner")
+def test_head_dim_128_tunes_the_load_path_and_misaligned_heads_keep_pointers():
+    """At D = 128 the native kernels' autotuner also tries TMA loads, which need 16-byte aligned rows: heads at an
+    aligned address launch with a tile that carries the choice, heads 2 bytes off launch the pointer kernels; both
+    give the same attention (within a tile's rounding: each path autotunes its own tile)."""
+    from stableflash.attention.triton import ops
+
+    B, H, T, D = 2, 3, 333, 128
+    flat = [torch.randn(B * H * T * D + 1).to(torch.bfloat16).to(DEVICE) for _ in range(4)]
+    aligned = [t[:-1].view(B, H, T, D) for t in flat]
+    shifted = [t[1:].view(B, H, T, D) for t in flat]
+    assert ops.tma_streamable(*aligned) and not ops.tma_streamable(*shifted)
+    results = []
+    for q, k, v, dout in (aligned, shifted):
+        ops._launches.cache.clear()
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        results.append(_run(functools.partial(_attention, precision="fa2"), q, k, v, dout))
+        tiles = [tile for _, tile, _ in ops._launches.cache.values()]
+        assert len(tiles) == 3 and all(("TMA" in tile) == (q.data_ptr() % 16 == 0) for tile in tiles)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], *results):
+        assert torch.isfinite(b).all() and rel_err(b.float().cpu(), a.float().cpu()) < 1e-2, name
+
+
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
 def test_outputs_and_gradients_follow_the_inputs_memory_order(precision):
     """Heads viewed out of (B, T, H·D) activations get O and dQ/dK/dV back in that memory order (so the model's
@@ -352,10 +375,12 @@ def test_unsupported_arguments_name_the_argument():
 
 
 @pytest.mark.parametrize("path", ["traced", "opaque"])
-@pytest.mark.parametrize("layout,precision", [("contiguous", "paper"), ("model heads", "paper"), ("model heads", "fa2")])
-def test_ops_trace_without_graph_breaks(layout, precision, path, monkeypatch):
+@pytest.mark.parametrize("layout,precision,D", [("contiguous", "paper", 64), ("model heads", "paper", 64),
+                                                ("model heads", "fa2", 64), ("model heads", "fa2", 128)])
+def test_ops_trace_without_graph_breaks(layout, precision, D, path, monkeypatch):
     """torch.compile(fullgraph=True) through either op pair: the `triton_op` one, whose kernels inductor launches
-    from its own code (GPU only), and the opaque `custom_op` one."""
+    from its own code (GPU only), and the opaque `custom_op` one. At D = 128 the native kernels' candidate tiles
+    include TMA loads (device-side descriptors: inductor's launcher must provide their scratch)."""
     from stableflash.attention.triton import ops
     from stableflash.attention.triton.spec import build_spec
 
@@ -363,10 +388,10 @@ def test_ops_trace_without_graph_breaks(layout, precision, path, monkeypatch):
         pytest.skip("inductor launches user kernels only on a GPU; one precision suffices for the opaque ops")
     monkeypatch.setattr(ops, "TRACEABLE", path == "traced")
     torch._dynamo.reset()
-    q, k, v = _inputs((2, 3, 200, 64))
+    q, k, v = _inputs((2, 3, 200, D))
     if layout == "model heads":  # views of one (B, T, 3·H·D) tensor, as GPT makes them: outputs come back strided
-        qkv = torch.cat([t.detach().transpose(1, 2).reshape(2, 200, 3 * 64) for t in (q, k, v)], dim=2)
-        q, k, v = (t.view(2, 200, 3, 64).transpose(1, 2).requires_grad_() for t in qkv.split(3 * 64, dim=2))
+        qkv = torch.cat([t.detach().transpose(1, 2).reshape(2, 200, 3 * D) for t in (q, k, v)], dim=2)
+        q, k, v = (t.view(2, 200, 3, D).transpose(1, 2).requires_grad_() for t in qkv.split(3 * D, dim=2))
     key = ops.register_spec(build_spec(resolve(precision), SFA(), torch.bfloat16, 200))
     if not INTERPRET:  # opcheck's fake-tensor and autograd checks (it re-runs the op many times)
         op = ops.flash_fwd_traced if path == "traced" else ops.flash_fwd

@@ -13,6 +13,7 @@ The ops take the kernel specialisation as a string key (registered by
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -73,9 +74,50 @@ def _tuned(kernel, configs, reset=(), extra_key=()):
                            prune_configs_by={"early_config_prune": _prune}, reset_to_zero=list(reset))(kernel)
 
 
+def _either_load(configs):
+    """Each tile twice: streamed tiles through pointers (cp.async) and by TMA, for the autotuner to choose."""
+    return [triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in configs for tma in (False, True)]
+
+
 _fwd = _tuned(kernels._attn_fwd, _FWD_CONFIGS, reset=("STAT_COUNTS",), extra_key=("STAB", "STATS"))
 _dkdv = _tuned(kernels._attn_bwd_dkdv, _DKDV_CONFIGS)
 _dq = _tuned(kernels._attn_bwd_dq, _DQ_CONFIGS)
+# At D >= 128 the native kernels autotune the load path too (on an H200 TMA gained 2-5% on 8-warp tiles and lost 2%
+# on 64x64/4 warps; at D = 64 it lost 1-10% everywhere, so it is not tried there: results/kernel-variants/)
+_fwd_either = _tuned(kernels._attn_fwd, _either_load(_FWD_CONFIGS), reset=("STAT_COUNTS",), extra_key=("STAB", "STATS"))
+_dkdv_either = _tuned(kernels._attn_bwd_dkdv, _either_load(_DKDV_CONFIGS))
+_dq_either = _tuned(kernels._attn_bwd_dq, _either_load(_DQ_CONFIGS))
+TMA_MIN_HEAD_DIM = 128
+AUTOTUNE_TMA = os.environ.get("STABLEFLASH_TMA", "1") != "0"
+"""STABLEFLASH_TMA=0: pointer loads everywhere (to compare, or to rule TMA out when something looks wrong)."""
+
+
+def _address(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a fake tensor, while torch.compile traces: storages start 16-byte aligned
+        return t.storage_offset() * t.element_size()
+
+
+def tma_streamable(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can stream these (B, H, T, D) tensors' rows: one descriptor per head needs its base address and
+    row stride 16-byte aligned (a model's heads are; a slice at an odd offset is not)."""
+    return all(_address(t) % 16 == 0 and t.stride(3) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:3])
+               for t in tensors)
+
+
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def ensure_scratch_allocator():
+    """TMA descriptors made in the kernel need global scratch from `triton.set_allocator`, a per-thread setting
+    (autograd runs the backward on its own thread); set ours where none is set (inductor sets its own)."""
+    from triton.runtime import _allocation  # no public getter
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def trailing_constexprs(plain, num_args: int, meta: dict, config: triton.Config) -> tuple:
@@ -173,9 +215,8 @@ def _meta(key: str):
                HEADS_FIRST=spec.stab == 1 and not spec.emu,
                BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded, CLAMP_CEIL=spec.clamp_ceiling,
                TILE_CLAMP=spec.tile_clamp, **{n: codes[n] for n in _FWD_CODES},
-               # study switch, off: K/V by TMA measured +4-5% forward at D = 128, 1.5-9% slower at D = 64
-               TMA=False)
-    bwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, **{n: codes[n] for n in _BWD_CODES}, TMA=False)  # study switch
+               TMA=False)  # pointer loads unless the launch lets the autotuner choose (`_tma_candidate`)
+    bwd = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32, **{n: codes[n] for n in _BWD_CODES}, TMA=False)
     delta = None
     if spec.delta_dpp:
         delta = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32,
@@ -186,6 +227,11 @@ def _meta(key: str):
                   R_DQ=codes["R_DQ"])
     dkdv = dict(R_P_OP=codes["R_P_OP"], R_DV=codes["R_DV"], R_DK=codes["R_DK"])
     return spec, fwd, delta, bwd, dkdv, dq
+
+
+def _tma_candidate(spec: KernelSpec, head_dim: int) -> bool:
+    """Whether the autotuner also tries TMA loads: native kernels on a GPU, head dims where TMA was measured faster."""
+    return AUTOTUNE_TMA and not (INTERPRET or spec.emu) and head_dim >= TMA_MIN_HEAD_DIM
 
 
 def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -202,13 +248,19 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,2) int32, max (H,) fp32).
 
     lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
-    Without `stats` the two counters are empty. `variants`: the forward kernel's study switches (`TMA`, which needs
-    `triton.set_allocator`; benchmarks/kernel_switches.py), with a fixed `tile`.
+    Without `stats` the two counters are empty. `variants`: the forward kernel's study switches (`TMA`;
+    benchmarks/kernel_switches.py), with a fixed `tile`. Without either, at D >= 128 the autotuner also chooses
+    between pointer and TMA loads (`_tma_candidate`).
     """
     spec, meta, *_ = _meta(key)
     meta = {**meta, **variants}
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
+    either = tile is None and not variants and _tma_candidate(spec, D) and tma_streamable(k, v)
+    if either:
+        meta.pop("TMA")  # the autotuned tile decides it
+    if either or meta["TMA"]:
+        ensure_scratch_allocator()
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else out.new_empty(0)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -225,7 +277,8 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
         tiles = triton.cdiv(T, m["BLOCK_M"])
         return (B * H, tiles) if meta["HEADS_FIRST"] else (tiles, B * H)
 
-    launch(_fwd, kernels._attn_fwd, grid, q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
+    tuned = _fwd_either if either else _fwd
+    launch(tuned, kernels._attn_fwd, grid, q, k, v, out, o_saved if spec.save_fp32_o else out, lse, counts, smax,
            *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u, spec.logical_n,
            **meta, CAUSAL=causal, HEAD_DIM=D, STATS=stats, config=tile)
     return out, o_saved, lse, counts, smax
@@ -234,12 +287,17 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
 def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None), launch=_launch,
              **variants):
     """dQ, dK, dV (each in its input's memory order); `tiles` = (dK/dV config, dQ config) forces the tiles
-    instead of autotuning (benchmarks). `variants`: the dQ and dK/dV kernels' study switches (`TMA`, which needs
-    `triton.set_allocator`; benchmarks/kernel_switches.py)."""
+    instead of autotuning (benchmarks). `variants`: the dQ and dK/dV kernels' study switches (`TMA`;
+    benchmarks/kernel_switches.py). Without either, at D >= 128 the autotuner also chooses the load path."""
     spec, _, delta_meta, meta, dkdv_meta, dq_meta = _meta(key)
     meta = {**meta, **variants}
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
+    either = all(t is None for t in tiles) and not variants and _tma_candidate(spec, D) and tma_streamable(q, k, v, dout)
+    if either:
+        meta.pop("TMA")  # the autotuned tiles decide it
+    if either or meta["TMA"]:
+        ensure_scratch_allocator()
     units = 1.0 if spec.emu else LOG2E
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -251,10 +309,10 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
     dk = empty_in_layout_of(k, k.dtype)
     dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
-    launch(_dq, kernels._attn_bwd_dq, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+    launch(_dq_either if either else _dq, kernels._attn_bwd_dq, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
            q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
-    launch(_dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
+    launch(_dkdv_either if either else _dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
            q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
     return dq, dk, dv
