@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 6 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles.
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants]...   (default: tests bench)
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma]...   (default: tests bench)
 # lab: the call-path layers at three shapes (benchmarks/attention_tiles.py)
 # variants: the kernels' study switches against the kernels as they ship (benchmarks/kernel_switches.py)
+# tma: the D = 128 benchmark with the autotuned load path against pointer loads only
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -30,6 +31,14 @@ for part in $parts; do
          grep "==" "$out/attention-lab.log" ;;
     variants) python3 benchmarks/kernel_switches.py --out "$out/kernel-switches-h200.json" 2>&1 | grep -v Warning \
                 | tee "$out/kernel-switches.log" ;;
+    # the autotuned load path at D = 128 against pointer loads only (STABLEFLASH_TMA=0), in two interleaved rounds
+    tma) mkdir -p "$out/tma-ab"
+         for round in 1 2; do for tma in 1 0; do
+           STABLEFLASH_TMA=$tma python3 benchmarks/attention.py --shapes "4,16,4096,128;1,16,16384,128" \
+             --impls stableflash,stableflash-sfa,stableflash-sfa-stats --out "$out/tma-ab/tma$tma-round$round.json" \
+             2>&1 | grep -v Warning > "$out/tma-ab/tma$tma-round$round.log"
+         done; done
+         tail -n 5 "$out"/tma-ab/*.log ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
