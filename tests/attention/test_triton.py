@@ -315,9 +315,11 @@ def test_head_dim_128_tunes_the_load_path_and_misaligned_heads_keep_pointers():
     from stableflash.attention.triton import ops
 
     B, H, T, D = 2, 3, 333, 128
-    flat = [torch.randn(B * H * T * D + 1).to(torch.bfloat16).to(DEVICE) for _ in range(4)]
-    aligned = [t[:-1].view(B, H, T, D) for t in flat]
-    shifted = [t[1:].view(B, H, T, D) for t in flat]
+    aligned = [torch.randn(B, H, T, D).to(torch.bfloat16).to(DEVICE) for _ in range(4)]
+    shifted = []  # the same values, stored 2 bytes past a 16-byte boundary
+    for t in aligned:
+        storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=DEVICE)
+        shifted.append(storage[1:].view(B, H, T, D).copy_(t))
     assert ops.tma_streamable(*aligned) and not ops.tma_streamable(*shifted)
     results = []
     for q, k, v, dout in (aligned, shifted):

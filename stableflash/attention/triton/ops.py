@@ -17,6 +17,7 @@ import os
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
 from stableflash.attention.triton import kernels
@@ -94,10 +95,9 @@ AUTOTUNE_TMA = os.environ.get("STABLEFLASH_TMA", "1") != "0"
 
 
 def _address(t: torch.Tensor) -> int:
-    try:
-        return t.data_ptr()
-    except RuntimeError:  # a fake tensor, while torch.compile traces: storages start 16-byte aligned
+    if is_fake(t):  # while torch.compile traces: storages start 16-byte aligned
         return t.storage_offset() * t.element_size()
+    return t.data_ptr()
 
 
 def tma_streamable(*tensors: torch.Tensor) -> bool:
