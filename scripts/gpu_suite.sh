@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 6 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles.
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma]...   (default: tests bench)
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement]...   (default: tests bench)
 # lab: the call-path layers at three shapes (benchmarks/attention_tiles.py)
 # variants: the kernels' study switches against the kernels as they ship (benchmarks/kernel_switches.py)
 # tma: the D = 128 benchmark with the autotuned load path against pointer loads only
+# agreement: how often the emulated presets give the reference's bits (scripts/emulation_agreement.py)
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -39,6 +40,8 @@ for part in $parts; do
              2>&1 | grep -v Warning > "$out/tma-ab/tma$tma-round$round.log"
          done; done
          tail -n 5 "$out"/tma-ab/*.log ;;
+    agreement) python3 scripts/emulation_agreement.py --out "$out/emulation-agreement-h200.json" 2>&1 | grep -v Warning \
+                 | tee "$out/emulation-agreement.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

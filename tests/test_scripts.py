@@ -1,6 +1,7 @@
 """The research scripts run end to end on the CPU (tiny config, a few steps)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,15 @@ def test_attention_benchmark_summary_reprints_the_ratio_table_without_a_gpu(tmp_
     # eager: SFA 90 against FA2 60, cuDNN 120, plain 100; statistics 81 against SFA 90; paper 20 against tiled 2
     assert out[out.index("eager") + 1:out.index("eager") + 6] == ["1.50x", "0.75x", "10.0%", "10.0%", "10.00x"]
     assert out[out.index("graph") + 1:out.index("graph") + 6] == ["2.00x", "0.95x", "5.0%", "5.0%", "10.00x"]
+
+
+def test_emulation_agreement_reports_bit_equal_fractions(tmp_path):
+    """The emulation report runs on the CPU under Triton's interpreter and writes a fraction per output."""
+    out = tmp_path / "agreement.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "emulation_agreement.py"), "--shapes", "1,2,70,16",
+                    "--draws", "1", "--variants", "paper+pv32", "--out", str(out)],
+                   env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300, check=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["sfa"]) for r in rows] == [("paper+pv32", False), ("paper+pv32", True)]
+    for row in rows:
+        assert all(0.95 <= row[what]["min"] <= row[what]["mean"] <= 1.0 for what in ("out", "dq", "dk", "dv"))

@@ -13,6 +13,7 @@ import torch
 
 from stableflash import SFA, AttentionStats, ClampPbar, flash_attention
 from stableflash.attention.precision import resolve
+from stableflash.attention.triton.spec import EMULATED_VARIANTS, emulated_variant
 from stableflash.numerics.formats import get_format
 from tests.attention.conftest import rel_err, tied_inputs
 
@@ -99,20 +100,6 @@ def test_fa2_with_the_dp_p_delta_within_twice_the_reference_error(causal):
         _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
 
 
-EMULATED = ["paper", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp", "bf16+fwdfa2", "bf16+bwdfa2",
-            "bf16+scores32", "bf16+lse32"]
-
-
-def _policy(name):
-    base, _, knob = name.partition("+")
-    policy = resolve(base)
-    return {"": policy, "pv32": policy.with_pv_fp32(), "o32": policy.with_o_fp32(),
-            "notiling": policy.tiling_off(), "dpp": policy.with_delta("dp_p"),
-            "fwdfa2": policy.with_pass_of("forward", "fa2"), "bwdfa2": policy.with_pass_of("backward", "fa2"),
-            "scores32": policy.with_sites(qk="fp32", scores="fp32", row_max="fp32", lse="fp32"),
-            "lse32": policy.with_sites(lse="fp32")}[knob]
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", ["fp32", "fp32+dpp", "paper+operands32"])
 def test_fp32_matmul_operands_within_twice_the_reference_error(shape, name):
@@ -132,10 +119,10 @@ def test_fp32_matmul_operands_within_twice_the_reference_error(shape, name):
 
 
 @pytest.mark.parametrize("shape", SHAPES[-2:])
-@pytest.mark.parametrize("name", EMULATED)
+@pytest.mark.parametrize("name", EMULATED_VARIANTS)
 @pytest.mark.parametrize("stabilize", [None, SFA()])
 def test_emulation_agrees_bit_for_bit_with_the_reference(shape, name, stabilize):
-    policy = _policy(name)
+    policy = emulated_variant(name)
     q, k, v = _inputs(shape)
     dout = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
     ours = _run(lambda *t: _attention(*t, precision=policy, stabilize=stabilize), q, k, v, dout)

@@ -138,3 +138,22 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
         tile_clamp=float(policy.tile_sum_clamp or 0.0), stab=stab, beta=beta, eps=eps * units,
         low=low * units, high=high * units, bounded=bounded, clamp_ceiling=ceiling,
     )
+
+
+def emulated_variant(name: str) -> Precision:
+    """A preset or one of its isolation knobs, by name ("paper", "paper+pv32", "bf16+bwdfa2", ...): the emulated
+    policies the kernels are checked against the reference on (`EMULATED_VARIANTS`)."""
+    base, _, knob = name.partition("+")
+    policy = PRESETS[base]
+    knobs = {"": lambda: policy, "pv32": policy.with_pv_fp32, "o32": policy.with_o_fp32, "notiling": policy.tiling_off,
+             "dpp": lambda: policy.with_delta("dp_p"), "fwdfa2": lambda: policy.with_pass_of("forward", "fa2"),
+             "bwdfa2": lambda: policy.with_pass_of("backward", "fa2"),
+             "scores32": lambda: policy.with_sites(qk="fp32", scores="fp32", row_max="fp32", lse="fp32"),
+             "lse32": lambda: policy.with_sites(lse="fp32")}
+    if knob not in knobs:
+        raise ValueError(f"name: expected PRESET or PRESET+KNOB with KNOB in {sorted(k for k in knobs if k)}, got {name!r}")
+    return knobs[knob]()
+
+
+EMULATED_VARIANTS = ("paper", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp", "bf16+fwdfa2",
+                     "bf16+bwdfa2", "bf16+scores32", "bf16+lse32")
