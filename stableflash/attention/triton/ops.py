@@ -108,6 +108,7 @@ def tma_streamable(*tensors: torch.Tensor) -> bool:
 
 
 def _scratch(size: int, alignment: int, stream):
+    # torch's caching allocator hands out 512-byte aligned blocks, above the 128 bytes descriptors ask
     return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
 
 
