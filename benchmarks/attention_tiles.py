@@ -135,9 +135,10 @@ def study(shape):
     tf = lambda ms, mult=1.0: mult * flops / (ms * 1e-3) / 1e12  # noqa: E731
     row = {"shape": list(shape)}
 
-    # autotuned picks (run once so the autotuners have chosen)
-    out, _, lse, _, _ = ops.forward(q, k, v, True, scale, keys["plain"], False, 0.0)
-    ops.backward(dout, q, k, v, out, lse, True, scale, keys["plain"])
+    # autotuned picks of the pointer-load path (run once so the autotuners have chosen; at D >= 128 the kernels as
+    # they ship also try TMA per tile: benchmarks/kernel_switches.py times that switch)
+    out, _, lse, _, _ = ops.forward(q, k, v, True, scale, keys["plain"], False, 0.0, TMA=False)
+    ops.backward(dout, q, k, v, out, lse, True, scale, keys["plain"], TMA=False)
     pick = {}
     for kname, tuned in (("fwd", ops._fwd), ("dkdv", ops._dkdv), ("dq", ops._dq)):
         pick[kname] = name(tuned.best_config) if tuned.best_config is not None else None

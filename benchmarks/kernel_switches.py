@@ -1,8 +1,9 @@
-"""The kernels' study switches against the kernels as they ship, at the same tiles, in the same process.
+"""The kernels' study switches against the kernels' pointer-load path, at the same tiles, in the same process.
 
 `TMA`: the streamed tiles loaded by the tensor memory accelerator from one tensor descriptor per head, where the
-kernels as they ship load them through pointers (cp.async): K and V in the forward and in the dQ kernel, Q and dO
-in the dK/dV kernel (docs/kernel-notes.md has the reasoning). For each shape and kernel: the autotuner's tiles,
+pointer path loads them with cp.async: K and V in the forward and in the dQ kernel, Q and dO in the dK/dV kernel
+(docs/kernel-notes.md has the reasoning; since a1db43a the autotuner picks TMA per tile at D >= 128, and this study
+pins the pointer path's tile to time the switch alone). For each shape and kernel: the pointer path's tiles,
 then TFLOP/s from a CUDA graph for the kernel as it ships and with the switch, in two interleaved rounds (so the
 spread between rounds shows the noise), and whether the outputs are bit-identical (they must be: only the loads
 change). Forward for plain, SFA and SFA + statistics; backward (dQ and dK/dV kernels together) for the plain
@@ -63,7 +64,7 @@ def study(shape) -> list[dict]:
     for name, (stab, stats) in FORWARD.items():
         key = ops.register_spec(build_spec(resolve("fa2"), stab, torch.bfloat16, T))
         eps = stab.eps if stab is not None else 0.0
-        ops.forward(q, k, v, True, scale, key, stats, eps)  # autotune, then pin its tile for both kernels
+        ops.forward(q, k, v, True, scale, key, stats, eps, **{SWITCH: False})  # autotune pointers, pin the tile
         tile = ops._fwd.best_config
 
         def forward(on, tile=tile, key=key, stats=stats, eps=eps):
@@ -74,7 +75,7 @@ def study(shape) -> list[dict]:
     key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, T))
     out, o_saved, lse, _, _ = ops.forward(q, k, v, True, scale, key, False, 0.0)
     saved = o_saved if o_saved.numel() else out
-    ops.backward(dout, q, k, v, saved, lse, True, scale, key)  # autotune both kernels, then pin their tiles
+    ops.backward(dout, q, k, v, saved, lse, True, scale, key, **{SWITCH: False})  # autotune pointers, pin the tiles
     tiles = (ops._dkdv.best_config, ops._dq.best_config)
 
     def backward(on):
