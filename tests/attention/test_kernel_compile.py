@@ -6,7 +6,9 @@ Guards what the interpreter cannot see: Triton's compiler rejected the fp32-oper
 the interpreter ran it fine; and the GPU launch cache once failed on a parameter left at its default.
 """
 
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ pytest.importorskip("triton")
 from stableflash import SFA  # noqa: E402
 from stableflash.attention.precision import resolve  # noqa: E402
 from stableflash.attention.triton import ops  # noqa: E402
-from stableflash.attention.triton.offline import compile_kernel, constexprs, resource_usage  # noqa: E402
+from stableflash.attention.triton.offline import compile_function, compile_kernel, constexprs, resource_usage  # noqa: E402
 from stableflash.attention.triton.spec import build_spec  # noqa: E402
 
 
@@ -114,3 +116,32 @@ def test_tma_streamable_needs_16_byte_aligned_rows():
     assert not ops.tma_streamable(shifted)
     odd_rows = torch.randn(B, H, T, D + 4, dtype=torch.bfloat16)[..., :D]  # row stride 264 bytes
     assert not ops.tma_streamable(odd_rows)
+
+
+def _gluon_study():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gluon_forward.py"
+    spec = importlib.util.spec_from_file_location("gluon_forward", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, True), (128, False)])
+def test_gluon_forward_study_keeps_a_wgmma_in_flight_across_the_softmax(head_dim, causal):
+    """The Gluon study (benchmarks/gluon_forward.py) compiles for sm_90 without spills, within the H200's shared
+    memory, and its key loop twice waits with one wgmma still outstanding (S_{j+1} through tile j's softmax, P̄_jV_j
+    while S_{j+1} is read): the overlap Triton's language cannot express (docs/kernel-notes.md)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    study = _gluon_study()
+    block_m, block_n, stages, warps = study.tile_for(head_dim)
+    q_layout, kv_layout = study.layouts(head_dim, torch.bfloat16, block_m, block_n)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                  Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps)
+    compiled = compile_function(study._attn_fwd_hopper, consts, {"num_warps": warps}, source_type=GluonASTSource)
+    ptx = compiled.asm["ptx"]
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)) == 2
+    assert "cp.async.bulk.tensor" in ptx  # K and V by TMA
+    usage = resource_usage(compiled)
+    assert usage["spill_stack_bytes"] == 0 and usage["shared_bytes"] <= 232_448
+

@@ -44,15 +44,21 @@ def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPU
     length divisible by 16 (true for torch's allocations at head dims 64 and 128), and T too (as at T = 4096).
     Without these hints Triton can prove no alignment, loads scalar 16-bit values and skips the cp.async pipeline,
     so registers, spills and shared memory come out unlike the code the GPU runs."""
-    fn = KERNELS[kernel]
+    return compile_function(KERNELS[kernel], consts, {"num_warps": config.num_warps, "num_stages": config.num_stages},
+                            target)
+
+
+def compile_function(fn, consts: dict, options: dict, target: GPUTarget = SM90, source_type=ASTSource):
+    """Compile a Triton (or, with Gluon's source type, a Gluon) kernel whose parameters follow our naming: pointers
+    as in `_POINTERS`, the float scales in `_FLOATS`, every other runtime argument i32; hints as `compile_kernel`'s."""
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature = {name: "constexpr" if name in consts else _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
                  for name in fn.arg_names}
     divisible = [name for name, kind in signature.items()  # LT, LQ: logical tiles, multiples of 64
                  if kind.startswith("*") or name.startswith("stride_") or name in ("T", "LT", "LQ")]
-    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                       attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
-    return triton.compile(source, target=target, options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    source = source_type(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                         attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
+    return triton.compile(source, target=target, options=options)
 
 
 def resource_usage(compiled) -> dict:

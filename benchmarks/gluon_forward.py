@@ -1,0 +1,256 @@
+"""Study: a Hopper attention forward in Gluon that overlaps the softmax with the tensor cores (FA3's intra-warpgroup
+pipelining), against our Triton forward and cuDNN.
+
+Why (docs/kernel-notes.md): Triton 3.6 waits for every wgmma but a loop-carried accumulator's, and its warp
+specialisation makes no partitions on sm_90, so our forward's softmax never overlaps a matmul; cuDNN's does. Gluon
+exposes the pieces: asynchronous `warpgroup_mma`, `warpgroup_mma_wait(num_outstanding)`, TMA and mbarriers. Per
+key tile j this kernel issues S_{j+1} = Q K_{j+1}ᵀ, runs tile j's softmax while it computes, waits for the previous
+P̄V only then, issues P̄_j V_j, and waits for S_{j+1} with P̄_j V_j still in flight. K and V arrive by TMA through a
+ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed.
+
+Native FA2 numerics only (no SFA, statistics or emulation): the study asks how much faster the forward gets, before
+any of that is ported. Scores are scaled by `mul.rn` before the maximum, as in our kernel (docs/kernel-notes.md:
+NaN at huge scores otherwise). Causal or not, any T (TMA zero-fills rows past T; columns past T are masked),
+head dims 64 and 128, bf16 and fp16; 16-byte aligned rows (device-side descriptors, one per head).
+
+    python benchmarks/gluon_forward.py --out results/gluon-forward-h200.json     # on an H200: check, then time
+The kernel compiles for sm_90 on any machine (tests/attention/test_kernel_compile.py does, without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.extra import libdevice
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+
+from stableflash import flash_attention
+from stableflash.attention.triton.ops import ensure_scratch_allocator
+
+LOG2E = 1.4426950408889634
+SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, tile, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+    """TMA loads of key tile `tile` (K and V) into buffer tile % STAGES, counted on that buffer's barrier."""
+    stage = tile % STAGES
+    bar = bars.index(stage)
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [tile * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [tile * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, S_LAYOUT: gl.constexpr):
+    """Tile j's online-softmax update in base 2: returns P̄ (fp32), the rescale factor and the new m, l."""
+    s = libdevice.mul_rn(s, qk_scale)
+    if (j + 1) * BLOCK_N > mask_from:  # the diagonal (causal) or the ragged end: the only tiles that need a mask
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        valid = cols[None, :] < T
+        if CAUSAL:
+            valid = valid & (rows[:, None] >= cols[None, :])
+        s = gl.where(valid, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _attn_fwd_hopper(Q, K, V, O, LSE,
+                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                     stride_ob, stride_oh, stride_ot, H, T, qk_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+    gl.static_assert(STAGES >= 3, "a buffer is refilled one tile after its P̄V completes: three at least")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [T, HEAD_DIM], [stride_qt, 1],
+                                        [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, [T, HEAD_DIM], [stride_kt, 1],
+                                        [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [T, HEAD_DIM], [stride_vt, 1],
+                                        [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+
+    # one warpgroup per 64 rows; S tiles and O in wgmma accumulator layouts, P̄ as the register A operand of P̄V
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_bars.index(i), count=1)
+
+    m0 = pid_m * BLOCK_M
+    if CAUSAL:
+        hi = gl.minimum(T, m0 + BLOCK_M)
+        mask_from = m0
+    else:
+        hi = T
+        mask_from = T
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
+    for i in gl.static_range(STAGES):
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, i, BLOCK_N, STAGES, i < n_tiles)
+
+    rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    # the loop carries O as a pending wgmma result (its P̄V may still run when an iteration ends)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(kv_bars.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+    for j in range(n_tiles - 1):
+        nxt = j + 1
+        mbarrier.wait(kv_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+        s_next = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, BLOCK_N, CAUSAL, s_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
+        # in flight: P̄_{j-1}V_{j-1}, then S_{j+1}; completing in order, one outstanding leaves S_{j+1}
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        # P̄_{j-1}V_{j-1} done in this warpgroup; the barrier waits for the other's before its buffer takes tile
+        # j-1+STAGES (one thread issues the copy)
+        gl.thread_barrier()
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, j - 1 + STAGES, BLOCK_N, STAGES,
+                  (j >= 1) & (j - 1 + STAGES < n_tiles))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+
+    last = n_tiles - 1
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, rows, mask_from, T, qk_scale, BLOCK_N, CAUSAL, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_bars.index(i))
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / l_o[:, None]
+    o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O + b * stride_ob + h * stride_oh + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :]
+    gl.store(o_ptrs, o.to(dtype), mask=o_rows[:, None] < T)
+    gl.store(LSE + bh.to(gl.int64) * T + rows, m_i + gl.log2(l_i), mask=rows < T)
+
+
+def tile_for(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps): 128 query rows on two warpgroups; three K/V buffers fit 227 KB."""
+    return (128, 128, 3, 8) if head_dim == 128 else (128, 128, 4, 8)
+
+
+def layouts(head_dim: int, dtype, block_m: int, block_n: int):
+    gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdtype),
+            gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype))
+
+
+def forward(q, k, v, causal: bool, scale: float):
+    """Attention output (B, H, T, D) and log-sum-exp (B, H, T, base 2) of the Gluon kernel."""
+    B, H, T, D = q.shape
+    if D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q: the Gluon study takes head dims 64 and 128 in bf16 or fp16, got {D} and {q.dtype}")
+    ensure_scratch_allocator()  # device-side descriptors
+    block_m, block_n, stages, warps = tile_for(D)
+    q_layout, kv_layout = layouts(D, q.dtype, block_m, block_n)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(T, block_m), B * H)
+    _attn_fwd_hopper[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                           H, T, scale * LOG2E, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+                           CAUSAL=causal, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps)
+    return out, lse
+
+
+def check(shape, causal: bool) -> dict:
+    """Our Triton `fa2` kernel's rule: the error against fp64 within twice that of the reference `fa2` preset."""
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    scale = shape[-1] ** -0.5
+    exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    ours, _ = forward(q, k, v, causal, scale)
+    reference = flash_attention(q, k, v, causal=causal, precision="fa2", backend="reference")
+    err = (ours.double() - exact).abs().max().item()
+    ref_err = (reference.double() - exact).abs().max().item()
+    ulp = exact.abs().max().item() * 2.0 ** -8
+    return {"shape": list(shape), "causal": causal, "max_err": err, "reference_max_err": ref_err,
+            "ok": bool(torch.isfinite(ours).all()) and err <= 2 * ref_err + ulp}
+
+
+def timed(shape) -> dict:
+    """Forward TFLOP/s from a CUDA graph: the Gluon study, our Triton kernel (fa2 numerics) and SDPA's cuDNN."""
+    B, H, T, D = shape
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * B * H * T * T * D / 2
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    runs = {"gluon": lambda: forward(q, k, v, True, D ** -0.5),
+            "triton": lambda: flash_attention(q, k, v, causal=True, backend="triton"), "cudnn": cudnn}
+    row = {"shape": list(shape)}
+    for name, fn in runs.items():
+        fn()
+        row[name] = flops / (triton.testing.do_bench_cudagraph(fn, rep=100) * 1e-3) / 1e12
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/gluon-forward-h200.json"))
+    parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
+    args = parser.parse_args()
+    checks = [check(s, c) for s in [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)] for c in (True, False)]
+    for c in checks:
+        print(f"check {c['shape']} causal={c['causal']}: max err {c['max_err']:.2e} "
+              f"(reference fa2 {c['reference_max_err']:.2e}) {'ok' if c['ok'] else 'FAILED'}", flush=True)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    print(f"\n{'shape':<22}{'gluon':>8}{'triton':>8}{'cudnn':>8}   forward TFLOP/s from a CUDA graph, causal bf16")
+    rows = []
+    for shape in shapes:
+        rows.append(timed(shape))
+        r = rows[-1]
+        print(f"{str(shape):<22}{r['gluon']:>8.1f}{r['triton']:>8.1f}{r['cudnn']:>8.1f}", flush=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
+            "timing": "do_bench_cudagraph median, forward only, causal bf16", "flops": "4*B*H*T^2*D/2"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
