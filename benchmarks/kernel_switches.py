@@ -4,7 +4,7 @@
 pointer path loads them with cp.async: K and V in the forward and in the dQ kernel, Q and dO in the dK/dV kernel
 (docs/kernel-notes.md has the reasoning; since a1db43a the autotuner picks TMA per tile at D >= 128, and this study
 pins the pointer path's tile to time the switch alone). For each shape and kernel: the pointer path's tiles,
-then TFLOP/s from a CUDA graph for the kernel as it ships and with the switch, in two interleaved rounds (so the
+then TFLOP/s from a CUDA graph for the pointer path and with the switch, in two interleaved rounds (so the
 spread between rounds shows the noise), and whether the outputs are bit-identical (they must be: only the loads
 change). Forward for plain, SFA and SFA + statistics; backward (dQ and dK/dV kernels together) for the plain
 kernel (SFA changes only the forward). Causal, bf16.
