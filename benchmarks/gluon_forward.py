@@ -6,7 +6,9 @@ specialisation makes no partitions on sm_90, so our forward's softmax never over
 exposes the pieces: asynchronous `warpgroup_mma`, `warpgroup_mma_wait(num_outstanding)`, TMA and mbarriers. Per
 key tile j this kernel issues S_{j+1} = Q K_{j+1}ᵀ, runs tile j's softmax while it computes, waits for the previous
 P̄V only then, issues P̄_j V_j, and waits for S_{j+1} with P̄_j V_j still in flight. K and V arrive by TMA through a
-ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed.
+ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed: by the computing warps themselves, or
+(`loader_warp`, FA3's split) by a warp of their own through `gl.warp_specialize`, the computing warps releasing each
+buffer on an mbarrier.
 
 Native FA2 numerics only (no SFA, statistics or emulation): the study asks how much faster the forward gets, before
 any of that is ported. Scores are scaled by `mul.rn` before the maximum, as in our kernel (docs/kernel-notes.md:
@@ -69,11 +71,89 @@ def _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale,
 
 
 @gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The loader warp (LOADER_WARP): streams every key tile into the ring, each buffer once the consumers have
+    released it (a fresh barrier counts as released: the wait on the parity before its first phase passes)."""
+    for t in range(n_tiles):
+        mbarrier.wait(empty_bars.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, t, BLOCK_N, STAGES, True)
+
+
+@gluon.jit
+def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars,
+             O, LSE, o_base, stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale,
+             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr):
+    """QKᵀ, the online softmax and P̄V over the key tiles, then O and the log-sum-exp. Without LOADER_WARP these
+    warps also refill the ring; with it they release each buffer to the loader warp."""
+    dtype: gl.constexpr = q_smem.dtype
+    num_warps: gl.constexpr = gl.num_warps()
+    # one warpgroup per 64 rows; S tiles and O in wgmma accumulator layouts, P̄ as the register A operand of P̄V
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    # the loop carries O as a pending wgmma result (its P̄V may still run when an iteration ends)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready_bars.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+    for j in range(n_tiles - 1):
+        nxt = j + 1
+        mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+        s_next = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, BLOCK_N, CAUSAL, s_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
+        # in flight: P̄_{j-1}V_{j-1}, then S_{j+1}; completing in order, one outstanding leaves S_{j+1}
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        # P̄_{j-1}V_{j-1} done in this warpgroup; the barrier waits for the other's before buffer (j-1) % STAGES
+        # is refilled with tile j-1+STAGES (one thread issues the copy) or released to the loader warp
+        gl.thread_barrier()
+        if LOADER_WARP:
+            mbarrier.arrive(empty_bars.index((j + STAGES - 1) % STAGES), pred=j >= 1)
+        else:
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, j - 1 + STAGES, BLOCK_N, STAGES,
+                      (j >= 1) & (j - 1 + STAGES < n_tiles))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+
+    last = n_tiles - 1
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, rows, mask_from, T, qk_scale, BLOCK_N, CAUSAL, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / l_o[:, None]
+    o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O + o_base + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :]
+    gl.store(o_ptrs, o.to(dtype), mask=o_rows[:, None] < T)
+    gl.store(LSE + bh.to(gl.int64) * T + rows, m_i + gl.log2(l_i), mask=rows < T)
+
+
+@gluon.jit
 def _attn_fwd_hopper(Q, K, V, O, LSE,
                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                      stride_ob, stride_oh, stride_ot, H, T, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                     CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                     KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(STAGES >= 3, "a buffer is refilled one tile after its P̄V completes: three at least")
     dtype: gl.constexpr = Q.dtype.element_ty
     pid_m = gl.program_id(0)
@@ -87,22 +167,16 @@ def _attn_fwd_hopper(Q, K, V, O, LSE,
     v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [T, HEAD_DIM], [stride_vt, 1],
                                         [BLOCK_N, HEAD_DIM], KV_LAYOUT)
 
-    # one warpgroup per 64 rows; S tiles and O in wgmma accumulator layouts, P̄ as the register A operand of P̄V
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(kv_bars.index(i), count=1)
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=1)
 
     m0 = pid_m * BLOCK_M
     if CAUSAL:
@@ -115,57 +189,23 @@ def _attn_fwd_hopper(Q, K, V, O, LSE,
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
-    for i in gl.static_range(STAGES):
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, i, BLOCK_N, STAGES, i < n_tiles)
-
-    rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
-    # the loop carries O as a pending wgmma result (its P̄V may still run when an iteration ends)
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout))
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(kv_bars.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-    for j in range(n_tiles - 1):
-        nxt = j + 1
-        mbarrier.wait(kv_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
-        s_next = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, BLOCK_N, CAUSAL, s_layout)
-        p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
-        # in flight: P̄_{j-1}V_{j-1}, then S_{j+1}; completing in order, one outstanding leaves S_{j+1}
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        # P̄_{j-1}V_{j-1} done in this warpgroup; the barrier waits for the other's before its buffer takes tile
-        # j-1+STAGES (one thread issues the copy)
-        gl.thread_barrier()
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, j - 1 + STAGES, BLOCK_N, STAGES,
-                  (j >= 1) & (j - 1 + STAGES < n_tiles))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-
-    last = n_tiles - 1
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, rows, mask_from, T, qk_scale, BLOCK_N, CAUSAL, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    o_base = b * stride_ob + h * stride_oh
+    if LOADER_WARP:  # FA3's split: one warp streams K and V, these warps compute
+        gl.warp_specialize([(_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars,
+                                        O, LSE, o_base, stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, HEAD_DIM,
+                                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, LOADER_WARP)),
+                            (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles, BLOCK_N,
+                                        STAGES))], [1], [24])
+    else:
+        for i in gl.static_range(STAGES):
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, i, BLOCK_N, STAGES, i < n_tiles)
+        _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars, O, LSE, o_base,
+                 stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                 LOADER_WARP)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_bars.index(i))
-
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    o = acc / l_o[:, None]
-    o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = O + b * stride_ob + h * stride_oh + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :]
-    gl.store(o_ptrs, o.to(dtype), mask=o_rows[:, None] < T)
-    gl.store(LSE + bh.to(gl.int64) * T + rows, m_i + gl.log2(l_i), mask=rows < T)
+        mbarrier.invalidate(ready_bars.index(i))
+        mbarrier.invalidate(empty_bars.index(i))
 
 
 def tile_for(head_dim: int) -> tuple[int, int, int, int]:
@@ -179,8 +219,9 @@ def layouts(head_dim: int, dtype, block_m: int, block_n: int):
             gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype))
 
 
-def forward(q, k, v, causal: bool, scale: float):
-    """Attention output (B, H, T, D) and log-sum-exp (B, H, T, base 2) of the Gluon kernel."""
+def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False):
+    """Attention output (B, H, T, D) and log-sum-exp (B, H, T, base 2) of the Gluon kernel; `loader_warp`: K and V
+    streamed by a warp of their own (`gl.warp_specialize`) rather than by the computing warps."""
     B, H, T, D = q.shape
     if D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"q: the Gluon study takes head dims 64 and 128 in bf16 or fp16, got {D} and {q.dtype}")
@@ -192,22 +233,23 @@ def forward(q, k, v, causal: bool, scale: float):
     grid = (triton.cdiv(T, block_m), B * H)
     _attn_fwd_hopper[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                            H, T, scale * LOG2E, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                           CAUSAL=causal, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps)
+                           CAUSAL=causal, LOADER_WARP=loader_warp, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+                           num_warps=warps)
     return out, lse
 
 
-def check(shape, causal: bool) -> dict:
+def check(shape, causal: bool, loader_warp: bool) -> dict:
     """Our Triton `fa2` kernel's rule: the error against fp64 within twice that of the reference `fa2` preset."""
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     scale = shape[-1] ** -0.5
     exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
-    ours, _ = forward(q, k, v, causal, scale)
+    ours, _ = forward(q, k, v, causal, scale, loader_warp)
     reference = flash_attention(q, k, v, causal=causal, precision="fa2", backend="reference")
     err = (ours.double() - exact).abs().max().item()
     ref_err = (reference.double() - exact).abs().max().item()
     ulp = exact.abs().max().item() * 2.0 ** -8
-    return {"shape": list(shape), "causal": causal, "max_err": err, "reference_max_err": ref_err,
-            "ok": bool(torch.isfinite(ours).all()) and err <= 2 * ref_err + ulp}
+    return {"shape": list(shape), "causal": causal, "loader_warp": loader_warp, "max_err": err,
+            "reference_max_err": ref_err, "ok": bool(torch.isfinite(ours).all()) and err <= 2 * ref_err + ulp}
 
 
 def timed(shape) -> dict:
@@ -221,6 +263,7 @@ def timed(shape) -> dict:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     runs = {"gluon": lambda: forward(q, k, v, True, D ** -0.5),
+            "gluon-loader-warp": lambda: forward(q, k, v, True, D ** -0.5, loader_warp=True),
             "triton": lambda: flash_attention(q, k, v, causal=True, backend="triton"), "cudnn": cudnn}
     row = {"shape": list(shape)}
     for name, fn in runs.items():
@@ -234,17 +277,18 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("results/gluon-forward-h200.json"))
     parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
     args = parser.parse_args()
-    checks = [check(s, c) for s in [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)] for c in (True, False)]
+    checks = [check(s, c, w) for s in [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)] for c in (True, False)
+              for w in (False, True)]
     for c in checks:
-        print(f"check {c['shape']} causal={c['causal']}: max err {c['max_err']:.2e} "
+        print(f"check {c['shape']} causal={c['causal']} loader_warp={c['loader_warp']}: max err {c['max_err']:.2e} "
               f"(reference fa2 {c['reference_max_err']:.2e}) {'ok' if c['ok'] else 'FAILED'}", flush=True)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
-    print(f"\n{'shape':<22}{'gluon':>8}{'triton':>8}{'cudnn':>8}   forward TFLOP/s from a CUDA graph, causal bf16")
+    names = ("gluon", "gluon-loader-warp", "triton", "cudnn")
+    print(f"\n{'shape':<22}" + "".join(f"{n:>19}" for n in names) + "   forward TFLOP/s from a CUDA graph, causal bf16")
     rows = []
     for shape in shapes:
         rows.append(timed(shape))
-        r = rows[-1]
-        print(f"{str(shape):<22}{r['gluon']:>8.1f}{r['triton']:>8.1f}{r['cudnn']:>8.1f}", flush=True)
+        print(f"{str(shape):<22}" + "".join(f"{rows[-1][n]:>19.1f}" for n in names), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
             "timing": "do_bench_cudagraph median, forward only, causal bf16", "flops": "4*B*H*T^2*D/2"}
