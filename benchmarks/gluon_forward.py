@@ -10,10 +10,11 @@ ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed: by
 (`loader_warp`, FA3's split) by a warp of their own through `gl.warp_specialize`, the computing warps releasing each
 buffer on an mbarrier.
 
-Native FA2 numerics only (no SFA, statistics or emulation): the study asks how much faster the forward gets, before
-any of that is ported. Scores are scaled by `mul.rn` before the maximum, as in our kernel (docs/kernel-notes.md:
-NaN at huge scores otherwise). Causal or not, any T (TMA zero-fills rows past T; columns past T are masked),
-head dims 64 and 128, bf16 and fp16; 16-byte aligned rows (device-side descriptors, one per head).
+Native FA2 numerics, with or without SFA (per 128-key tile, through the Triton kernels' own `_top2` and `_sfa_max`);
+no statistics or emulation: the study asks how much faster the forward gets, and what SFA costs in it. Scores are
+scaled by `mul.rn` before the maximum, as in our kernel (docs/kernel-notes.md: NaN at huge scores otherwise).
+Causal or not, any T (TMA zero-fills rows past T; columns past T are masked), head dims 64 and 128, bf16 and fp16;
+16-byte aligned rows (device-side descriptors, one per head).
 
     python benchmarks/gluon_forward.py --out results/gluon-forward-h200.json     # on an H200: check, then time
 The kernel compiles for sm_90 on any machine (tests/attention/test_kernel_compile.py does, without a GPU).
@@ -35,8 +36,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
 
-from stableflash import flash_attention
+from stableflash import SFA, flash_attention
+from stableflash.attention.precision import resolve
+from stableflash.attention.triton import kernels
 from stableflash.attention.triton.ops import ensure_scratch_allocator
+from stableflash.attention.triton.spec import build_spec
 
 LOG2E = 1.4426950408889634
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
@@ -53,9 +57,12 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, tile, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, S_LAYOUT: gl.constexpr):
-    """Tile j's online-softmax update in base 2: returns P̄ (fp32), the rescale factor and the new m, l."""
+def _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, eps_u,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, S_LAYOUT: gl.constexpr, STAB: gl.constexpr,
+                  BETA: gl.constexpr, LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr):
+    """Tile j's online-softmax update in base 2: returns P̄ (fp32), the rescale factor and the new m, l. With SFA (STAB 1),
+    the tile's maximum is shifted where the row repeats it within eps, as our Triton kernel does (the same
+    `_top2` pair reduction and `_sfa_max`, per 128-key tile)."""
     s = libdevice.mul_rn(s, qk_scale)
     if (j + 1) * BLOCK_N > mask_from:  # the diagonal (causal) or the ragged end: the only tiles that need a mask
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
@@ -63,7 +70,18 @@ def _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale,
         if CAUSAL:
             valid = valid & (rows[:, None] >= cols[None, :])
         s = gl.where(valid, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
+    if STAB == 1:
+        # neighbouring columns paired first (a pair's top two are its max and min): 3 min/max per score, not 4
+        a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
+        rm, r2 = gl.reduce((gl.maximum(a, b), gl.minimum(a, b)), 1, kernels._top2)
+        rows_layout: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)  # the same rows, named as the other row vectors
+        rm = gl.convert_layout(rm, rows_layout, assert_trivial=True)
+        r2 = gl.convert_layout(r2, rows_layout, assert_trivial=True)
+        near_row = (r2 >= rm - eps_u) & (rm > float("-inf"))
+        rm = kernels._sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
+    else:
+        rm = gl.max(s, 1)
+    m_new = gl.maximum(m_i, rm)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
@@ -82,9 +100,10 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles,
 
 @gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars,
-             O, LSE, o_base, stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale,
+             O, LSE, o_base, stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, eps_u,
              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr):
+             CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
+             LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr):
     """QKᵀ, the online softmax and P̄V over the key tiles, then O and the log-sum-exp. Without LOADER_WARP these
     warps also refill the ring; with it they release each buffer to the loader warp."""
     dtype: gl.constexpr = q_smem.dtype
@@ -114,7 +133,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
         mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
         s_next = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, BLOCK_N, CAUSAL, s_layout)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
+                                              STAB, BETA, LOW, HIGH, BOUNDED)
         p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
         # in flight: P̄_{j-1}V_{j-1}, then S_{j+1}; completing in order, one outstanding leaves S_{j+1}
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -131,7 +151,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
 
     last = n_tiles - 1
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, rows, mask_from, T, qk_scale, BLOCK_N, CAUSAL, s_layout)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL,
+                                          s_layout, STAB, BETA, LOW, HIGH, BOUNDED)
     p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -150,10 +171,12 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
 @gluon.jit
 def _attn_fwd_hopper(Q, K, V, O, LSE,
                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-                     stride_ob, stride_oh, stride_ot, H, T, qk_scale,
+                     stride_ob, stride_oh, stride_ot, H, T, qk_scale, eps_u,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                     KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                     CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
+                     LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                     KV_LAYOUT: gl.constexpr,
+                     num_warps: gl.constexpr):
     gl.static_assert(STAGES >= 3, "a buffer is refilled one tile after its P̄V completes: three at least")
     dtype: gl.constexpr = Q.dtype.element_ty
     pid_m = gl.program_id(0)
@@ -192,16 +215,17 @@ def _attn_fwd_hopper(Q, K, V, O, LSE,
     o_base = b * stride_ob + h * stride_oh
     if LOADER_WARP:  # FA3's split: one warp streams K and V, these warps compute
         gl.warp_specialize([(_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars,
-                                        O, LSE, o_base, stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, HEAD_DIM,
-                                        BLOCK_M, BLOCK_N, STAGES, CAUSAL, LOADER_WARP)),
+                                        O, LSE, o_base, stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, eps_u,
+                                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA,
+                                        LOW, HIGH, BOUNDED)),
                             (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles, BLOCK_N,
                                         STAGES))], [1], [24])
     else:
         for i in gl.static_range(STAGES):
             _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, i, BLOCK_N, STAGES, i < n_tiles)
         _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars, O, LSE, o_base,
-                 stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                 LOADER_WARP)
+                 stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, eps_u, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                 LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready_bars.index(i))
@@ -219,9 +243,18 @@ def layouts(head_dim: int, dtype, block_m: int, block_n: int):
             gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype))
 
 
-def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False):
+def sfa_constants(stabilize, dtype, T: int) -> dict:
+    """SFA's compile-time constants and eps in base 2, as our Triton kernel gets them (zeros without SFA)."""
+    if stabilize is None:
+        return dict(STAB=0, BETA=0.0, LOW=0.0, HIGH=0.0, BOUNDED=False, eps_u=0.0)
+    spec = build_spec(resolve("fa2"), stabilize, dtype, T)
+    return dict(STAB=1, BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded, eps_u=spec.eps)
+
+
+def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stabilize=None):
     """Attention output (B, H, T, D) and log-sum-exp (B, H, T, base 2) of the Gluon kernel; `loader_warp`: K and V
-    streamed by a warp of their own (`gl.warp_specialize`) rather than by the computing warps."""
+    streamed by a warp of their own (`gl.warp_specialize`) rather than by the computing warps; `stabilize`: None or
+    an `SFA` (bounded, as our kernel's default)."""
     B, H, T, D = q.shape
     if D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"q: the Gluon study takes head dims 64 and 128 in bf16 or fp16, got {D} and {q.dtype}")
@@ -231,25 +264,33 @@ def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False):
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
+    sfa = sfa_constants(stabilize, q.dtype, T)
     _attn_fwd_hopper[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-                           H, T, scale * LOG2E, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                           CAUSAL=causal, LOADER_WARP=loader_warp, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
-                           num_warps=warps)
+                           H, T, scale * LOG2E, sfa.pop("eps_u"), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                           STAGES=stages, CAUSAL=causal, LOADER_WARP=loader_warp, **sfa, Q_LAYOUT=q_layout,
+                           KV_LAYOUT=kv_layout, num_warps=warps)
     return out, lse
 
 
-def check(shape, causal: bool, loader_warp: bool) -> dict:
-    """Our Triton `fa2` kernel's rule: the error against fp64 within twice that of the reference `fa2` preset."""
+def check(shape, causal: bool, loader_warp: bool, stabilize=None) -> dict:
+    """Our Triton kernels' rule: the error against fp64 within twice that of the reference backend under the same
+    numerics (`fa2`, SFA per 128-key tile as here), plus an ulp. For SFA, keys 3 and 5 are made the same large key,
+    so most rows repeat their maximum and SFA's shift is exercised."""
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if stabilize is not None:
+        k[:, :, 3] = k[:, :, 5] = (4 * q.float().mean(dim=2)).to(k.dtype)
     scale = shape[-1] ** -0.5
     exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
-    ours, _ = forward(q, k, v, causal, scale, loader_warp)
-    reference = flash_attention(q, k, v, causal=causal, precision="fa2", backend="reference")
+    ours, _ = forward(q, k, v, causal, scale, loader_warp, stabilize)
+    block_m, block_n, _, _ = tile_for(shape[-1])
+    reference = flash_attention(q, k, v, causal=causal, precision=resolve("fa2").replace(block_m=block_m, block_n=block_n),
+                                stabilize=stabilize, backend="reference")
     err = (ours.double() - exact).abs().max().item()
     ref_err = (reference.double() - exact).abs().max().item()
     ulp = exact.abs().max().item() * 2.0 ** -8
-    return {"shape": list(shape), "causal": causal, "loader_warp": loader_warp, "max_err": err,
-            "reference_max_err": ref_err, "ok": bool(torch.isfinite(ours).all()) and err <= 2 * ref_err + ulp}
+    return {"shape": list(shape), "causal": causal, "loader_warp": loader_warp, "sfa": stabilize is not None,
+            "max_err": err, "reference_max_err": ref_err,
+            "ok": bool(torch.isfinite(ours).all()) and err <= 2 * ref_err + ulp}
 
 
 def timed(shape) -> dict:
@@ -262,9 +303,13 @@ def timed(shape) -> dict:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    sfa = SFA()
     runs = {"gluon": lambda: forward(q, k, v, True, D ** -0.5),
             "gluon-loader-warp": lambda: forward(q, k, v, True, D ** -0.5, loader_warp=True),
-            "triton": lambda: flash_attention(q, k, v, causal=True, backend="triton"), "cudnn": cudnn}
+            "gluon-sfa": lambda: forward(q, k, v, True, D ** -0.5, stabilize=sfa),
+            "triton": lambda: flash_attention(q, k, v, causal=True, backend="triton"),
+            "triton-sfa": lambda: flash_attention(q, k, v, causal=True, backend="triton", stabilize=sfa),
+            "cudnn": cudnn}
     row = {"shape": list(shape)}
     for name, fn in runs.items():
         fn()
@@ -277,18 +322,18 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("results/gluon-forward-h200.json"))
     parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
     args = parser.parse_args()
-    checks = [check(s, c, w) for s in [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)] for c in (True, False)
-              for w in (False, True)]
+    checks = [check(s, c, w, z) for s in [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)] for c in (True, False)
+              for w in (False, True) for z in (None, SFA())]
     for c in checks:
-        print(f"check {c['shape']} causal={c['causal']} loader_warp={c['loader_warp']}: max err {c['max_err']:.2e} "
-              f"(reference fa2 {c['reference_max_err']:.2e}) {'ok' if c['ok'] else 'FAILED'}", flush=True)
+        print(f"check {c['shape']} causal={c['causal']} loader_warp={c['loader_warp']} sfa={c['sfa']}: max err "
+              f"{c['max_err']:.2e} (reference {c['reference_max_err']:.2e}) {'ok' if c['ok'] else 'FAILED'}", flush=True)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
-    names = ("gluon", "gluon-loader-warp", "triton", "cudnn")
-    print(f"\n{'shape':<22}" + "".join(f"{n:>19}" for n in names) + "   forward TFLOP/s from a CUDA graph, causal bf16")
+    names = ("gluon", "gluon-loader-warp", "gluon-sfa", "triton", "triton-sfa", "cudnn")
+    print(f"\n{'shape':<22}" + "".join(f"{n:>18}" for n in names) + "   forward TFLOP/s from a CUDA graph, causal bf16")
     rows = []
     for shape in shapes:
         rows.append(timed(shape))
-        print(f"{str(shape):<22}" + "".join(f"{rows[-1][n]:>19.1f}" for n in names), flush=True)
+        print(f"{str(shape):<22}" + "".join(f"{rows[-1][n]:>18.1f}" for n in names), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
             "timing": "do_bench_cudagraph median, forward only, causal bf16", "flops": "4*B*H*T^2*D/2"}
