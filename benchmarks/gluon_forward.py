@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from stableflash import SFA, flash_attention
 from stableflash.attention.precision import resolve
 from stableflash.attention.triton import kernels
-from stableflash.attention.triton.ops import ensure_scratch_allocator
+from stableflash.attention.triton.ops import ensure_scratch_allocator, tma_streamable
 from stableflash.attention.triton.spec import build_spec
 
 LOG2E = 1.4426950408889634
@@ -258,6 +258,8 @@ def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stab
     B, H, T, D = q.shape
     if D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"q: the Gluon study takes head dims 64 and 128 in bf16 or fp16, got {D} and {q.dtype}")
+    if not tma_streamable(q, k, v):
+        raise ValueError("q, k, v: the Gluon study loads rows by TMA: 16-byte aligned bases and row strides needed")
     ensure_scratch_allocator()  # device-side descriptors
     block_m, block_n, stages, warps = tile_for(D)
     q_layout, kv_layout = layouts(D, q.dtype, block_m, block_n)
