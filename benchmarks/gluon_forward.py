@@ -133,8 +133,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
         mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
         s_next = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
-                                              STAB, BETA, LOW, HIGH, BOUNDED)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL,
+                                           s_layout, STAB, BETA, LOW, HIGH, BOUNDED)
         p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
         # in flight: P̄_{j-1}V_{j-1}, then S_{j+1}; completing in order, one outstanding leaves S_{j+1}
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -152,7 +152,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
 
     last = n_tiles - 1
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL,
-                                          s_layout, STAB, BETA, LOW, HIGH, BOUNDED)
+                                       s_layout, STAB, BETA, LOW, HIGH, BOUNDED)
     p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
