@@ -10,8 +10,9 @@ ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed: by
 (`loader_warp`, FA3's split) by a warp of their own through `gl.warp_specialize`, the computing warps releasing each
 buffer on an mbarrier.
 
-Native FA2 numerics, with or without SFA (per 128-key tile, through the Triton kernels' own `_top2` and `_sfa_max`);
-no statistics or emulation: the study asks how much faster the forward gets, and what SFA costs in it. Scores are
+Native FA2 numerics, with or without SFA and the statistics (per 128-key tile, through the Triton kernels' own
+`_top2`, `_sfa_max` and `_stats_combine`); no emulation: the study asks how much faster the forward gets, and what
+SFA and the statistics cost in it. Scores are
 scaled by `mul.rn` before the maximum, as in our kernel (docs/kernel-notes.md: NaN at huge scores otherwise).
 Causal or not, any T (TMA zero-fills rows past T; columns past T are masked), head dims 64 and 128, bf16 and fp16;
 16-byte aligned rows (device-side descriptors, one per head).
@@ -36,13 +37,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
 
-from stableflash import SFA, flash_attention
+from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.attention.precision import resolve
 from stableflash.attention.triton import kernels
 from stableflash.attention.triton.ops import ensure_scratch_allocator, tma_streamable
 from stableflash.attention.triton.spec import build_spec
 
 LOG2E = 1.4426950408889634
+_LOG2E = gl.constexpr(LOG2E)
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
 
@@ -57,12 +59,14 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, tile, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, eps_u,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, S_LAYOUT: gl.constexpr, STAB: gl.constexpr,
-                  BETA: gl.constexpr, LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr):
-    """Tile j's online-softmax update in base 2: returns P̄ (fp32), the rescale factor and the new m, l. With SFA (STAB 1),
-    the tile's maximum is shifted where the row repeats it within eps, as our Triton kernel does (the same
-    `_top2` pair reduction and `_sfa_max`, per 128-key tile)."""
+def _softmax_step(s, m_i, l_i, repeated, ones, smax, j, rows, mask_from, T, qk_scale, eps_u,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, S_LAYOUT: gl.constexpr, DTYPE: gl.constexpr,
+                  STAB: gl.constexpr, BETA: gl.constexpr, LOW: gl.constexpr, HIGH: gl.constexpr,
+                  BOUNDED: gl.constexpr, STATS: gl.constexpr):
+    """Tile j's online-softmax update in base 2: returns P̄ in DTYPE, the rescale factor, the new m and l, and the
+    statistics per row. With SFA (STAB 1) the tile's maximum is shifted where the row repeats it within eps; with
+    STATS the rows with a repeated maximum, P̄ = 1 entries and the largest score are counted. Both as our Triton
+    kernel does them (its `_top2` pair reduction, `_sfa_max` and guarded P̄ = 1 count), per 128-key tile."""
     s = libdevice.mul_rn(s, qk_scale)
     if (j + 1) * BLOCK_N > mask_from:  # the diagonal (causal) or the ragged end: the only tiles that need a mask
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
@@ -70,7 +74,7 @@ def _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, eps_u,
         if CAUSAL:
             valid = valid & (rows[:, None] >= cols[None, :])
         s = gl.where(valid, s, float("-inf"))
-    if STAB == 1:
+    if STAB == 1 or STATS:
         # neighbouring columns paired first (a pair's top two are its max and min): 3 min/max per score, not 4
         a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
         rm, r2 = gl.reduce((gl.maximum(a, b), gl.minimum(a, b)), 1, kernels._top2)
@@ -78,14 +82,25 @@ def _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, eps_u,
         rm = gl.convert_layout(rm, rows_layout, assert_trivial=True)
         r2 = gl.convert_layout(r2, rows_layout, assert_trivial=True)
         near_row = (r2 >= rm - eps_u) & (rm > float("-inf"))
-        rm = kernels._sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
+        tile_max = rm
+        if STATS:
+            smax = gl.maximum(smax, gl.where(rm < float("inf"), rm, float("-inf")))
+            repeated = gl.maximum(repeated, near_row.to(gl.int32))
+        if STAB == 1:
+            rm = kernels._sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
     else:
         rm = gl.max(s, 1)
     m_new = gl.maximum(m_i, rm)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_i
+    p_op = p.to(DTYPE)
+    if STATS:  # per score only on tiles where some row's second largest score is near the shift (see kernels.py)
+        if gl.max((r2 >= m_new - 0.01).to(gl.int32), 0) > 0:
+            ones += gl.sum((p_op == 1.0).to(gl.int32), 1)
+        else:
+            ones += (gl.exp2(tile_max - m_new).to(DTYPE) == 1.0).to(gl.int32)
+    return p_op, alpha, m_new, l_i, repeated, ones, smax
 
 
 @gluon.jit
@@ -100,10 +115,10 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles,
 
 @gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars,
-             O, LSE, o_base, stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, eps_u,
+             O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale, eps_u,
              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
-             LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr):
+             LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr):
     """QKᵀ, the online softmax and P̄V over the key tiles, then O and the log-sum-exp. Without LOADER_WARP these
     warps also refill the ring; with it they release each buffer to the loader warp."""
     dtype: gl.constexpr = q_smem.dtype
@@ -119,6 +134,9 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
     rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    repeated = gl.zeros([BLOCK_M], gl.int32, layout=row_layout)  # statistics, per row until the end
+    ones = gl.zeros([BLOCK_M], gl.int32, layout=row_layout)
+    smax = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     # the loop carries O as a pending wgmma result (its P̄V may still run when an iteration ends)
     acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -133,9 +151,10 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
         mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
         s_next = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL,
-                                           s_layout, STAB, BETA, LOW, HIGH, BOUNDED)
-        p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
+        p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
+            s, m_i, l_i, repeated, ones, smax, j, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
+            dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
+        p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
         # in flight: P̄_{j-1}V_{j-1}, then S_{j+1}; completing in order, one outstanding leaves S_{j+1}
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         # P̄_{j-1}V_{j-1} done in this warpgroup; the barrier waits for the other's before buffer (j-1) % STAGES
@@ -151,9 +170,10 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
 
     last = n_tiles - 1
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL,
-                                       s_layout, STAB, BETA, LOW, HIGH, BOUNDED)
-    p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
+    p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
+        s, m_i, l_i, repeated, ones, smax, last, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
+        dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
+    p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
@@ -166,16 +186,23 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
     o_ptrs = O + o_base + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :]
     gl.store(o_ptrs, o.to(dtype), mask=o_rows[:, None] < T)
     gl.store(LSE + bh.to(gl.int64) * T + rows, m_i + gl.log2(l_i), mask=rows < T)
+    if STATS:  # one reduction over the rows (padding rows left out), then relaxed atomics, as in kernels.py
+        row_ok = rows < T
+        n_repeated, n_ones, row_max = gl.reduce((gl.where(row_ok, repeated, 0), gl.where(row_ok, ones, 0),
+                                                 gl.where(row_ok, smax, float("-inf"))), 0, kernels._stats_combine)
+        gl.atomic_add(STAT_COUNTS + h * 2, n_repeated, sem="relaxed")
+        gl.atomic_add(STAT_COUNTS + h * 2 + 1, n_ones, sem="relaxed")
+        gl.atomic_max(STAT_MAX + h, row_max / _LOG2E, sem="relaxed")
 
 
 @gluon.jit
-def _attn_fwd_hopper(Q, K, V, O, LSE,
+def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                      stride_ob, stride_oh, stride_ot, H, T, qk_scale, eps_u,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
-                     LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                     KV_LAYOUT: gl.constexpr,
+                     LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
+                     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
                      num_warps: gl.constexpr):
     gl.static_assert(STAGES >= 3, "a buffer is refilled one tile after its P̄V completes: three at least")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -215,17 +242,17 @@ def _attn_fwd_hopper(Q, K, V, O, LSE,
     o_base = b * stride_ob + h * stride_oh
     if LOADER_WARP:  # FA3's split: one warp streams K and V, these warps compute
         gl.warp_specialize([(_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars,
-                                        O, LSE, o_base, stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, eps_u,
-                                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA,
-                                        LOW, HIGH, BOUNDED)),
+                                        O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles,
+                                        mask_from, qk_scale, eps_u, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                                        LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED, STATS)),
                             (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles, BLOCK_N,
                                         STAGES))], [1], [24])
     else:
         for i in gl.static_range(STAGES):
             _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, i, BLOCK_N, STAGES, i < n_tiles)
-        _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars, O, LSE, o_base,
-                 stride_ot, bh, m0, T, n_tiles, mask_from, qk_scale, eps_u, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                 LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED)
+        _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars, O, LSE, STAT_COUNTS,
+                 STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale, eps_u, HEAD_DIM, BLOCK_M,
+                 BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready_bars.index(i))
@@ -243,18 +270,20 @@ def layouts(head_dim: int, dtype, block_m: int, block_n: int):
             gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype))
 
 
-def sfa_constants(stabilize, dtype, T: int) -> dict:
-    """SFA's compile-time constants and eps in base 2, as our Triton kernel gets them (zeros without SFA)."""
-    if stabilize is None:
-        return dict(STAB=0, BETA=0.0, LOW=0.0, HIGH=0.0, BOUNDED=False, eps_u=0.0)
+def softmax_constants(stabilize, stats_eps: float | None, dtype, T: int) -> dict:
+    """SFA's compile-time constants, whether to count statistics, and eps in base 2 (SFA's, else the statistics'),
+    as our Triton kernel gets them."""
     spec = build_spec(resolve("fa2"), stabilize, dtype, T)
-    return dict(STAB=1, BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded, eps_u=spec.eps)
+    eps_u = spec.eps if stabilize is not None else (stats_eps or 0.0) * LOG2E
+    return dict(STAB=spec.stab, BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded,
+                STATS=stats_eps is not None, eps_u=eps_u)
 
 
-def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stabilize=None):
-    """Attention output (B, H, T, D) and log-sum-exp (B, H, T, base 2) of the Gluon kernel; `loader_warp`: K and V
-    streamed by a warp of their own (`gl.warp_specialize`) rather than by the computing warps; `stabilize`: None or
-    an `SFA` (bounded, as our kernel's default)."""
+def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stabilize=None, stats_eps=None):
+    """The Gluon kernel: attention output (B, H, T, D), log-sum-exp (B, H, T, base 2), and the statistics (rows with
+    a repeated maximum and P̄ = 1 entries per head, (H, 2) int32; largest score per head, (H,)) when `stats_eps` is
+    given. `loader_warp`: K and V streamed by a warp of their own (`gl.warp_specialize`) rather than by the
+    computing warps; `stabilize`: None or an `SFA`."""
     B, H, T, D = q.shape
     if D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"q: the Gluon study takes head dims 64 and 128 in bf16 or fp16, got {D} and {q.dtype}")
@@ -265,34 +294,43 @@ def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stab
     q_layout, kv_layout = layouts(D, q.dtype, block_m, block_n)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    counts = torch.zeros(H, 2, device=q.device, dtype=torch.int32)
+    smax = torch.full((H,), float("-inf"), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
-    sfa = sfa_constants(stabilize, q.dtype, T)
-    _attn_fwd_hopper[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-                           H, T, scale * LOG2E, sfa.pop("eps_u"), HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
-                           STAGES=stages, CAUSAL=causal, LOADER_WARP=loader_warp, **sfa, Q_LAYOUT=q_layout,
-                           KV_LAYOUT=kv_layout, num_warps=warps)
-    return out, lse
+    constants = softmax_constants(stabilize, stats_eps, q.dtype, T)
+    _attn_fwd_hopper[grid](q, k, v, out, lse, counts, smax, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                           *out.stride()[:3], H, T, scale * LOG2E, constants.pop("eps_u"), HEAD_DIM=D, BLOCK_M=block_m,
+                           BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, LOADER_WARP=loader_warp, **constants,
+                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps)
+    return out, lse, counts, smax
 
 
-def check(shape, causal: bool, loader_warp: bool, stabilize=None) -> dict:
-    """Our Triton kernels' rule: the error against fp64 within twice that of the reference backend under the same
-    numerics (`fa2`, SFA per 128-key tile as here), plus an ulp. For SFA, keys 3 and 5 are made the same large key,
-    so most rows repeat their maximum and SFA's shift is exercised."""
+def check(shape, causal: bool, loader_warp: bool, stabilize=None, stats: bool = False) -> dict:
+    """Our Triton kernels' rules: the error against fp64 within twice that of the reference backend under the same
+    numerics (`fa2`, SFA per 128-key tile as here), plus an ulp; statistics equal to the reference's at the same
+    tiles. Keys 3 and 5 are made the same large key, so most rows repeat their maximum (SFA shifts them; the
+    statistics count them)."""
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    if stabilize is not None:
+    if stabilize is not None or stats:
         k[:, :, 3] = k[:, :, 5] = (4 * q.float().mean(dim=2)).to(k.dtype)
     scale = shape[-1] ** -0.5
     exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
-    ours, _ = forward(q, k, v, causal, scale, loader_warp, stabilize)
+    ref_stats = AttentionStats(shape[1]) if stats else None
+    ours, _, counts, smax = forward(q, k, v, causal, scale, loader_warp, stabilize,
+                                    ref_stats.eps if stats else None)
     block_m, block_n, _, _ = tile_for(shape[-1])
     reference = flash_attention(q, k, v, causal=causal, precision=resolve("fa2").replace(block_m=block_m, block_n=block_n),
-                                stabilize=stabilize, backend="reference")
+                                stabilize=stabilize, backend="reference", stats=ref_stats)
     err = (ours.double() - exact).abs().max().item()
     ref_err = (reference.double() - exact).abs().max().item()
     ulp = exact.abs().max().item() * 2.0 ** -8
+    ok = bool(torch.isfinite(ours).all()) and err <= 2 * ref_err + ulp
+    if stats:
+        ok = (ok and counts[:, 0].tolist() == ref_stats.repeated_max_rows.tolist()
+              and counts[:, 1].tolist() == ref_stats.pbar_ones.tolist()
+              and torch.allclose(smax.cpu(), ref_stats.max_score.cpu(), rtol=1e-2))
     return {"shape": list(shape), "causal": causal, "loader_warp": loader_warp, "sfa": stabilize is not None,
-            "max_err": err, "reference_max_err": ref_err,
-            "ok": bool(torch.isfinite(ours).all()) and err <= 2 * ref_err + ulp}
+            "stats": stats, "max_err": err, "reference_max_err": ref_err, "ok": ok}
 
 
 def timed(shape) -> dict:
@@ -305,12 +343,15 @@ def timed(shape) -> dict:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    sfa = SFA()
+    sfa, stats = SFA(), AttentionStats(H)
     runs = {"gluon": lambda: forward(q, k, v, True, D ** -0.5),
             "gluon-loader-warp": lambda: forward(q, k, v, True, D ** -0.5, loader_warp=True),
             "gluon-sfa": lambda: forward(q, k, v, True, D ** -0.5, stabilize=sfa),
+            "gluon-sfa-stats": lambda: forward(q, k, v, True, D ** -0.5, stabilize=sfa, stats_eps=stats.eps),
             "triton": lambda: flash_attention(q, k, v, causal=True, backend="triton"),
             "triton-sfa": lambda: flash_attention(q, k, v, causal=True, backend="triton", stabilize=sfa),
+            "triton-sfa-stats": lambda: flash_attention(q, k, v, causal=True, backend="triton", stabilize=sfa,
+                                                        stats=stats),
             "cudnn": cudnn}
     row = {"shape": list(shape)}
     for name, fn in runs.items():
@@ -324,13 +365,15 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("results/gluon-forward-h200.json"))
     parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
     args = parser.parse_args()
-    checks = [check(s, c, w, z) for s in [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)] for c in (True, False)
-              for w in (False, True) for z in (None, SFA())]
+    checks = [check(s, c, w, z, st) for s in [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)]
+              for c in (True, False) for w in (False, True) for z in (None, SFA()) for st in (False, True)]
     for c in checks:
-        print(f"check {c['shape']} causal={c['causal']} loader_warp={c['loader_warp']} sfa={c['sfa']}: max err "
-              f"{c['max_err']:.2e} (reference {c['reference_max_err']:.2e}) {'ok' if c['ok'] else 'FAILED'}", flush=True)
+        print(f"check {c['shape']} causal={c['causal']} loader_warp={c['loader_warp']} sfa={c['sfa']} "
+              f"stats={c['stats']}: max err {c['max_err']:.2e} (reference {c['reference_max_err']:.2e}) "
+              f"{'ok' if c['ok'] else 'FAILED'}", flush=True)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
-    names = ("gluon", "gluon-loader-warp", "gluon-sfa", "triton", "triton-sfa", "cudnn")
+    names = ("gluon", "gluon-loader-warp", "gluon-sfa", "gluon-sfa-stats", "triton", "triton-sfa", "triton-sfa-stats",
+             "cudnn")
     print(f"\n{'shape':<22}" + "".join(f"{n:>18}" for n in names) + "   forward TFLOP/s from a CUDA graph, causal bf16")
     rows = []
     for shape in shapes:

@@ -126,10 +126,10 @@ def _gluon_study():
     return module
 
 
-@pytest.mark.parametrize("head_dim,causal,loader_warp,sfa", [(64, True, False, False), (128, True, False, False),
-                                                             (128, False, False, False), (128, True, True, False),
-                                                             (64, True, False, True), (128, True, True, True)])
-def test_gluon_forward_study_keeps_a_wgmma_in_flight_across_the_softmax(head_dim, causal, loader_warp, sfa):
+@pytest.mark.parametrize("head_dim,causal,loader_warp,sfa,stats", [
+    (64, True, False, False, False), (128, True, False, False, False), (128, False, False, False, False),
+    (128, True, True, False, False), (64, True, False, True, False), (128, True, True, True, True)])
+def test_gluon_forward_study_keeps_a_wgmma_in_flight_across_the_softmax(head_dim, causal, loader_warp, sfa, stats):
     """The Gluon study (benchmarks/gluon_forward.py) compiles for sm_90 without spills, within the H200's shared
     memory, and its key loop twice waits with one wgmma still outstanding (S_{j+1} through tile j's softmax, P̄_jV_j
     while S_{j+1} is read): the overlap Triton's language cannot express (docs/kernel-notes.md)."""
@@ -138,10 +138,10 @@ def test_gluon_forward_study_keeps_a_wgmma_in_flight_across_the_softmax(head_dim
     study = _gluon_study()
     block_m, block_n, stages, warps = study.tile_for(head_dim)
     q_layout, kv_layout = study.layouts(head_dim, torch.bfloat16, block_m, block_n)
-    stab = study.sfa_constants(SFA() if sfa else None, torch.bfloat16, 4096)
-    stab.pop("eps_u")  # a runtime argument
+    softmax = study.softmax_constants(SFA() if sfa else None, 1e-3 if stats else None, torch.bfloat16, 4096)
+    softmax.pop("eps_u")  # a runtime argument
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  LOADER_WARP=loader_warp, **stab, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps)
+                  LOADER_WARP=loader_warp, **softmax, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps)
     compiled = compile_function(study._attn_fwd_hopper, consts, {"num_warps": warps}, source_type=GluonASTSource)
     ptx = compiled.asm["ptx"]
     assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)) == 2
@@ -150,6 +150,7 @@ def test_gluon_forward_study_keeps_a_wgmma_in_flight_across_the_softmax(head_dim
     assert ("bar.sync \t0, 256;" in ptx) == loader_warp
     # SFA's pair reduction adds min/max work per score (none of it without SFA: the row maximum alone)
     assert (len(re.findall(r"\b(?:max|min)(?:\.NaN)?\.f32", ptx)) > 300) == sfa
+    assert ("atom.global" in ptx or "red.global" in ptx) == stats  # the statistics' per-head counters
     usage = resource_usage(compiled)
     assert usage["spill_stack_bytes"] == 0 and usage["shared_bytes"] <= 232_448
 
