@@ -279,6 +279,17 @@ def softmax_constants(stabilize, stats_eps: float | None, dtype, T: int) -> dict
                 STATS=stats_eps is not None, eps_u=eps_u)
 
 
+def launch_constants(head_dim: int, dtype, T: int, causal: bool, loader_warp: bool = False, stabilize=None,
+                     stats_eps=None) -> tuple[dict, float]:
+    """The kernel's compile-time arguments (tile, layouts, switches, warps) and its runtime eps, base 2."""
+    block_m, block_n, stages, warps = tile_for(head_dim)
+    q_layout, kv_layout = layouts(head_dim, dtype, block_m, block_n)
+    softmax = softmax_constants(stabilize, stats_eps, dtype, T)
+    eps_u = softmax.pop("eps_u")
+    return dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                LOADER_WARP=loader_warp, **softmax, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps), eps_u
+
+
 def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stabilize=None, stats_eps=None):
     """The Gluon kernel: attention output (B, H, T, D), log-sum-exp (B, H, T, base 2), and the statistics (rows with
     a repeated maximum and P̄ = 1 entries per head, (H, 2) int32; largest score per head, (H,)) when `stats_eps` is
@@ -290,18 +301,14 @@ def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stab
     if not tma_streamable(q, k, v):
         raise ValueError("q, k, v: the Gluon study loads rows by TMA: 16-byte aligned bases and row strides needed")
     ensure_scratch_allocator()  # device-side descriptors
-    block_m, block_n, stages, warps = tile_for(D)
-    q_layout, kv_layout = layouts(D, q.dtype, block_m, block_n)
+    constants, eps_u = launch_constants(D, q.dtype, T, causal, loader_warp, stabilize, stats_eps)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     counts = torch.zeros(H, 2, device=q.device, dtype=torch.int32)
     smax = torch.full((H,), float("-inf"), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(T, block_m), B * H)
-    constants = softmax_constants(stabilize, stats_eps, q.dtype, T)
+    grid = (triton.cdiv(T, constants["BLOCK_M"]), B * H)
     _attn_fwd_hopper[grid](q, k, v, out, lse, counts, smax, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                           *out.stride()[:3], H, T, scale * LOG2E, constants.pop("eps_u"), HEAD_DIM=D, BLOCK_M=block_m,
-                           BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, LOADER_WARP=loader_warp, **constants,
-                           Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps)
+                           *out.stride()[:3], H, T, scale * LOG2E, eps_u, **constants)
     return out, lse, counts, smax
 
 

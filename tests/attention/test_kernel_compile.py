@@ -136,13 +136,10 @@ def test_gluon_forward_study_keeps_a_wgmma_in_flight_across_the_softmax(head_dim
     from triton.experimental.gluon._runtime import GluonASTSource
 
     study = _gluon_study()
-    block_m, block_n, stages, warps = study.tile_for(head_dim)
-    q_layout, kv_layout = study.layouts(head_dim, torch.bfloat16, block_m, block_n)
-    softmax = study.softmax_constants(SFA() if sfa else None, 1e-3 if stats else None, torch.bfloat16, 4096)
-    softmax.pop("eps_u")  # a runtime argument
-    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  LOADER_WARP=loader_warp, **softmax, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps)
-    compiled = compile_function(study._attn_fwd_hopper, consts, {"num_warps": warps}, source_type=GluonASTSource)
+    consts, _ = study.launch_constants(head_dim, torch.bfloat16, 4096, causal, loader_warp, SFA() if sfa else None,
+                                       1e-3 if stats else None)
+    compiled = compile_function(study._attn_fwd_hopper, consts, {"num_warps": consts["num_warps"]},
+                                source_type=GluonASTSource)
     ptx = compiled.asm["ptx"]
     assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)) == 2
     assert "cp.async.bulk.tensor" in ptx  # K and V by TMA

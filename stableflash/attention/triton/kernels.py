@@ -127,8 +127,8 @@ def _load_rows(ptr, offs, stride_t, T, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _head_rows(X, x_off, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
-    """Under TMA (study switch: docs/kernel-notes.md), a tensor descriptor of one head's (T, HEAD_DIM) rows in blocks
-    of ROWS; else X itself. Descriptors need global scratch: `triton.set_allocator`."""
+    """Under TMA (chosen by the autotuner at D >= 128: docs/kernel-notes.md), a tensor descriptor of one head's
+    (T, HEAD_DIM) rows in blocks of ROWS; else X itself. Descriptors need global scratch: `triton.set_allocator`."""
     if TMA:
         d = tl.make_tensor_descriptor(X + x_off, [T, HEAD_DIM], [stride_t, 1], [ROWS, HEAD_DIM])
     else:
@@ -578,7 +578,7 @@ def _attn_bwd_dkdv(
     R_DV: tl.constexpr, R_DK: tl.constexpr, TMA: tl.constexpr,
 ):
     """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it.
-    Study switch TMA (native path; docs/kernel-notes.md): Q and dO tiles by tensor descriptors."""
+    Under TMA (native path; docs/kernel-notes.md): Q and dO tiles by tensor descriptors."""
     qk_scale, scale = _fp32(qk_scale), _fp32(scale)
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -665,7 +665,7 @@ def _attn_bwd_dq(
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
     R_DQ: tl.constexpr, TMA: tl.constexpr,
 ):
-    """dQ (strides `stride_g*`) for one query tile, looping over the key tiles it sees. Study switch TMA (native
+    """dQ (strides `stride_g*`) for one query tile, looping over the key tiles it sees. Under TMA (native
     path; docs/kernel-notes.md): K and V tiles by tensor descriptors.
 
     With DELTA_HERE it first computes its rows' δ = rowsum(dO * O) and stores it for the dK/dV kernel, launched

@@ -19,6 +19,7 @@ import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
+from triton.runtime import _allocation  # the allocator in effect: Triton has no public getter
 
 from stableflash.attention.triton import kernels
 from stableflash.attention.triton.spec import INTERPRET, LOG2E, PHYSICAL_TILE, KernelSpec
@@ -115,8 +116,6 @@ def _scratch(size: int, alignment: int, stream):
 def ensure_scratch_allocator():
     """TMA descriptors made in the kernel need global scratch from `triton.set_allocator`, a per-thread setting
     (autograd runs the backward on its own thread); set ours where none is set (inductor sets its own)."""
-    from triton.runtime import _allocation  # no public getter
-
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
 
@@ -235,6 +234,18 @@ def _tma_candidate(spec: KernelSpec, head_dim: int) -> bool:
     return AUTOTUNE_TMA and not (INTERPRET or spec.emu) and head_dim >= TMA_MIN_HEAD_DIM
 
 
+def _choose_load_path(meta: dict, spec: KernelSpec, head_dim: int, pinned: bool, *streamed: torch.Tensor) -> bool:
+    """Whether the autotuner chooses between pointer and TMA loads for this launch (not when the tiles or the
+    switches are `pinned` by the caller): then `meta` (the launch's own copy) loses TMA, which the tile carries.
+    Sets the scratch allocator wherever TMA may run."""
+    either = not pinned and _tma_candidate(spec, head_dim) and tma_streamable(*streamed)
+    if either:
+        meta.pop("TMA")
+    if either or meta["TMA"]:
+        ensure_scratch_allocator()
+    return either
+
+
 def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An empty (B, H, T, D) tensor in `t`'s memory order: (B, T, H, D) when `t` is a model's heads viewed out of
     its (B, T, H·D) activations (the model's transpose back is then free, as with SDPA), else contiguous."""
@@ -257,11 +268,7 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     meta = {**meta, **variants}
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
-    either = tile is None and not variants and _tma_candidate(spec, D) and tma_streamable(k, v)
-    if either:
-        meta.pop("TMA")  # the autotuned tile decides it
-    if either or meta["TMA"]:
-        ensure_scratch_allocator()
+    either = _choose_load_path(meta, spec, D, tile is not None or bool(variants), k, v)
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else out.new_empty(0)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -294,11 +301,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
     meta = {**meta, **variants}
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
-    either = all(t is None for t in tiles) and not variants and _tma_candidate(spec, D) and tma_streamable(q, k, v, dout)
-    if either:
-        meta.pop("TMA")  # the autotuned tiles decide it
-    if either or meta["TMA"]:
-        ensure_scratch_allocator()
+    either = _choose_load_path(meta, spec, D, any(t is not None for t in tiles) or bool(variants), q, k, v, dout)
     units = 1.0 if spec.emu else LOG2E
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
