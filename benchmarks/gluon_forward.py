@@ -28,6 +28,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -202,12 +203,16 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
                      LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
-                     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+                     HEAVY_FIRST: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
                      num_warps: gl.constexpr):
     gl.static_assert(STAGES >= 3, "a buffer is refilled one tile after its P̄V completes: three at least")
     dtype: gl.constexpr = Q.dtype.element_ty
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
+    if HEAVY_FIRST:  # grid (heads, query tiles): each head's longest causal row block starts first, as in FA3
+        pid_m = gl.num_programs(1) - 1 - gl.program_id(1) if CAUSAL else gl.program_id(1)
+        bh = gl.program_id(0)
+    else:
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
     q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [T, HEAD_DIM], [stride_qt, 1],
@@ -259,9 +264,36 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
         mbarrier.invalidate(empty_bars.index(i))
 
 
-def tile_for(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, STAGES, num_warps): 128 query rows on two warpgroups; three K/V buffers fit 227 KB."""
-    return (128, 128, 3, 8) if head_dim == 128 else (128, 128, 4, 8)
+class Tile(NamedTuple):
+    """One launch shape: query rows and keys per tile, K/V ring buffers, warps (a warpgroup per 64 rows), and
+    whether the grid runs each head's heaviest causal row block first."""
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 3
+    warps: int = 8
+    heavy_first: bool = False
+
+    def __str__(self):
+        return f"{self.block_m}x{self.block_n}/{self.stages}st/{self.warps}w{'/heavy' if self.heavy_first else ''}"
+
+
+def tile_for(head_dim: int) -> Tile:
+    """The study's tile: 128 query rows on two warpgroups, one CTA per SM; three K/V buffers fit 227 KB at D = 128."""
+    return Tile(stages=3) if head_dim == 128 else Tile(stages=4)
+
+
+# The sweep (`--sweep`): with 128 rows on 8 warps only one CTA fits an SM (registers at D = 64, shared memory at
+# D = 128), so nothing hides its prologue and epilogue or runs during its softmax; one warpgroup per CTA (64 rows)
+# lets two or more CTAs share an SM and the scheduler interleave them (pingpong without barriers).
+# CTAs per SM offline (sm_90, plain / SFA + statistics): D = 64: 128x128/4 1/1, 64x128/3 2/2, 64x64/3 and /4 3/3,
+# 128x64/4 2/1; D = 128: 128x128/3 1/1, 64x64/3 2/2, 64x128/3 1/1, 128x64/4 1/1.
+SWEEP_TILES = {
+    64: [Tile(128, 128, 4, 8), Tile(128, 128, 4, 8, True), Tile(64, 128, 3, 4, True), Tile(64, 64, 3, 4, True),
+         Tile(64, 64, 4, 4, True), Tile(128, 64, 4, 8, True)],
+    128: [Tile(128, 128, 3, 8), Tile(128, 128, 3, 8, True), Tile(64, 64, 3, 4, True), Tile(64, 128, 3, 4, True),
+          Tile(128, 64, 4, 8, True)],
+}
+SWEEP_CHECK_SHAPES = {64: [(2, 3, 77, 64), (1, 4, 513, 64)], 128: [(1, 3, 333, 128), (2, 2, 1000, 128)]}
 
 
 def layouts(head_dim: int, dtype, block_m: int, block_n: int):
@@ -280,39 +312,42 @@ def softmax_constants(stabilize, stats_eps: float | None, dtype, T: int) -> dict
 
 
 def launch_constants(head_dim: int, dtype, T: int, causal: bool, loader_warp: bool = False, stabilize=None,
-                     stats_eps=None) -> tuple[dict, float]:
+                     stats_eps=None, tile: Tile | None = None) -> tuple[dict, float]:
     """The kernel's compile-time arguments (tile, layouts, switches, warps) and its runtime eps, base 2."""
-    block_m, block_n, stages, warps = tile_for(head_dim)
-    q_layout, kv_layout = layouts(head_dim, dtype, block_m, block_n)
+    tile = tile or tile_for(head_dim)
+    q_layout, kv_layout = layouts(head_dim, dtype, tile.block_m, tile.block_n)
     softmax = softmax_constants(stabilize, stats_eps, dtype, T)
     eps_u = softmax.pop("eps_u")
-    return dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                LOADER_WARP=loader_warp, **softmax, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=warps), eps_u
+    return dict(HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.stages, CAUSAL=causal,
+                LOADER_WARP=loader_warp, **softmax, HEAVY_FIRST=tile.heavy_first, Q_LAYOUT=q_layout,
+                KV_LAYOUT=kv_layout, num_warps=tile.warps), eps_u
 
 
-def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stabilize=None, stats_eps=None):
+def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stabilize=None, stats_eps=None,
+            tile: Tile | None = None):
     """The Gluon kernel: attention output (B, H, T, D), log-sum-exp (B, H, T, base 2), and the statistics (rows with
     a repeated maximum and P̄ = 1 entries per head, (H, 2) int32; largest score per head, (H,)) when `stats_eps` is
     given. `loader_warp`: K and V streamed by a warp of their own (`gl.warp_specialize`) rather than by the
-    computing warps; `stabilize`: None or an `SFA`."""
+    computing warps; `stabilize`: None or an `SFA`; `tile`: the launch shape (default `tile_for(D)`)."""
     B, H, T, D = q.shape
     if D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"q: the Gluon study takes head dims 64 and 128 in bf16 or fp16, got {D} and {q.dtype}")
     if not tma_streamable(q, k, v):
         raise ValueError("q, k, v: the Gluon study loads rows by TMA: 16-byte aligned bases and row strides needed")
     ensure_scratch_allocator()  # device-side descriptors
-    constants, eps_u = launch_constants(D, q.dtype, T, causal, loader_warp, stabilize, stats_eps)
+    constants, eps_u = launch_constants(D, q.dtype, T, causal, loader_warp, stabilize, stats_eps, tile)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     counts = torch.zeros(H, 2, device=q.device, dtype=torch.int32)
     smax = torch.full((H,), float("-inf"), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(T, constants["BLOCK_M"]), B * H)
+    row_blocks = triton.cdiv(T, constants["BLOCK_M"])
+    grid = (B * H, row_blocks) if constants["HEAVY_FIRST"] else (row_blocks, B * H)
     _attn_fwd_hopper[grid](q, k, v, out, lse, counts, smax, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                            *out.stride()[:3], H, T, scale * LOG2E, eps_u, **constants)
     return out, lse, counts, smax
 
 
-def check(shape, causal: bool, loader_warp: bool, stabilize=None, stats: bool = False) -> dict:
+def check(shape, causal: bool, loader_warp: bool, stabilize=None, stats: bool = False, tile: Tile | None = None) -> dict:
     """Our Triton kernels' rules: the error against fp64 within twice that of the reference backend under the same
     numerics (`fa2`, SFA per 128-key tile as here), plus an ulp; statistics equal to the reference's at the same
     tiles. Keys 3 and 5 are made the same large key, so most rows repeat their maximum (SFA shifts them; the
@@ -323,10 +358,11 @@ def check(shape, causal: bool, loader_warp: bool, stabilize=None, stats: bool = 
     scale = shape[-1] ** -0.5
     exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
     ref_stats = AttentionStats(shape[1]) if stats else None
+    tile = tile or tile_for(shape[-1])
     ours, _, counts, smax = forward(q, k, v, causal, scale, loader_warp, stabilize,
-                                    ref_stats.eps if stats else None)
-    block_m, block_n, _, _ = tile_for(shape[-1])
-    reference = flash_attention(q, k, v, causal=causal, precision=resolve("fa2").replace(block_m=block_m, block_n=block_n),
+                                    ref_stats.eps if stats else None, tile)
+    fa2_at_tile = resolve("fa2").replace(block_m=tile.block_m, block_n=tile.block_n)
+    reference = flash_attention(q, k, v, causal=causal, precision=fa2_at_tile,
                                 stabilize=stabilize, backend="reference", stats=ref_stats)
     err = (ours.double() - exact).abs().max().item()
     ref_err = (reference.double() - exact).abs().max().item()
@@ -337,7 +373,7 @@ def check(shape, causal: bool, loader_warp: bool, stabilize=None, stats: bool = 
               and counts[:, 1].tolist() == ref_stats.pbar_ones.tolist()
               and torch.allclose(smax.cpu(), ref_stats.max_score.cpu(), rtol=1e-2))
     return {"shape": list(shape), "causal": causal, "loader_warp": loader_warp, "sfa": stabilize is not None,
-            "stats": stats, "max_err": err, "reference_max_err": ref_err, "ok": ok}
+            "stats": stats, "tile": str(tile), "max_err": err, "reference_max_err": ref_err, "ok": ok}
 
 
 # the Gluon variants timed, by their (loader_warp, sfa, stats) switches: a variant whose check failed is not timed
@@ -376,18 +412,65 @@ def timed(shape, skip=()) -> dict:
     return row
 
 
+def timed_tile(shape, tile: Tile, base: dict) -> dict:
+    """Forward TFLOP/s from a CUDA graph on one launch tile, plain and with SFA + statistics, and their ratios to
+    `base` (a `timed` row: our Triton forward and cuDNN at the same shape)."""
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * shape[0] * shape[1] * shape[2] ** 2 * shape[3] / 2
+    scale, stats_eps = shape[-1] ** -0.5, AttentionStats(1).eps
+    runs = {"plain": lambda: forward(q, k, v, True, scale, tile=tile),
+            "sfa-stats": lambda: forward(q, k, v, True, scale, stabilize=SFA(), stats_eps=stats_eps, tile=tile)}
+    row = {"shape": list(shape)}
+    for name, fn in runs.items():
+        fn()
+        row[name] = flops / (triton.testing.do_bench_cudagraph(fn, rep=100) * 1e-3) / 1e12
+    return {**row, "vs_triton": row["plain"] / base["triton"], "vs_cudnn": row["plain"] / base["cudnn"],
+            "sfa_stats_vs_triton": row["sfa-stats"] / base["triton-sfa-stats"]}
+
+
+def sweep(shapes, out: Path, meta: dict) -> None:
+    """Every tile of SWEEP_TILES at the shapes of its head dim: four checks (both shapes, causal and not, plain and
+    SFA + statistics), then, if all pass, forward TFLOP/s plain and with SFA + statistics beside our Triton forward
+    and cuDNN. The JSON is rewritten after each tile, so a run cut short keeps what it measured."""
+    sfa = SFA()
+    baselines = {shape: timed(shape, skip=set(GLUON_RUNS)) for shape in shapes}
+    result = {"meta": meta, "baselines": [baselines[s] for s in shapes], "tiles": []}
+    for head_dim in sorted({s[-1] for s in shapes}):
+        small, big = SWEEP_CHECK_SHAPES[head_dim]
+        for tile in SWEEP_TILES[head_dim]:
+            checks = [check(small, True, False, tile=tile), check(big, True, False, sfa, True, tile),
+                      check(big, False, False, tile=tile), check(small, False, False, sfa, True, tile)]
+            ok = all(c["ok"] for c in checks)
+            entry = {"head_dim": head_dim, "tile": str(tile), "checks": checks}
+            entry["rows"] = [timed_tile(shape, tile, baselines[shape]) for shape in shapes
+                             if shape[-1] == head_dim and ok]
+            result["tiles"].append(entry)
+            print(f"D={head_dim} {str(tile):<24} checks {'ok' if ok else 'FAILED'}" + "".join(
+                f"  {tuple(r['shape'])}: {r['plain']:.0f} ({r['vs_triton']:.2f}x triton, {r['vs_cudnn']:.2f}x cudnn),"
+                f" sfa+stats {r['sfa-stats']:.0f} ({r['sfa_stats_vs_triton']:.2f}x)" for r in entry["rows"]), flush=True)
+            out.write_text(json.dumps(result, indent=1))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/gluon-forward-h200.json"))
     parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
+    parser.add_argument("--sweep", action="store_true", help="the launch tiles of SWEEP_TILES instead of the study")
     args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
+            "timing": "do_bench_cudagraph median, forward only, causal bf16", "flops": "4*B*H*T^2*D/2"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        sweep(shapes, args.out, meta)
+        return
     checks = [check(s, c, w, z, st) for s in [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)]
               for c in (True, False) for w in (False, True) for z in (None, SFA()) for st in (False, True)]
     for c in checks:
         print(f"check {c['shape']} causal={c['causal']} loader_warp={c['loader_warp']} sfa={c['sfa']} "
               f"stats={c['stats']}: max err {c['max_err']:.2e} (reference {c['reference_max_err']:.2e}) "
               f"{'ok' if c['ok'] else 'FAILED'}", flush=True)
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     names = ("gluon", "gluon-loader-warp", "gluon-sfa", "gluon-sfa-stats", "triton", "triton-sfa", "triton-sfa-stats",
              "cudnn")
     print(f"\n{'shape':<22}" + "".join(f"{n:>18}" for n in names) + "   forward TFLOP/s from a CUDA graph, causal bf16")
@@ -398,10 +481,6 @@ def main():
         rows.append(timed(shape, skip))
         print(f"{str(shape):<22}" + "".join(f"{'failed':>18}" if rows[-1][n] is None else f"{rows[-1][n]:>18.1f}"
                                             for n in names), flush=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
-            "timing": "do_bench_cudagraph median, forward only, causal bf16", "flops": "4*B*H*T^2*D/2"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows}, indent=1))
 
 

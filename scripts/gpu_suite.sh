@@ -2,13 +2,14 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores;
 # with the D = 128 TMA candidates the suite took 378 s on 6 workers, 268 s before).
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon]...
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon|gluon-sweep]...
 #   (default: tests bench)
 # lab: the call-path layers at three shapes (benchmarks/attention_tiles.py)
 # variants: the kernels' study switches against the kernels as they ship (benchmarks/kernel_switches.py)
 # tma: the D = 128 benchmark with the autotuned load path against pointer loads only
 # agreement: how often the emulated presets give the reference's bits (scripts/emulation_agreement.py)
 # gluon: the Gluon forward study, checked then timed against our forward and cuDNN (benchmarks/gluon_forward.py)
+# gluon-sweep: the same kernel over launch tiles (CTAs per SM, heaviest row blocks first), each checked then timed
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -47,6 +48,8 @@ for part in $parts; do
                  | tee "$out/emulation-agreement.log" ;;
     gluon) python3 benchmarks/gluon_forward.py --out "$out/gluon-forward-h200.json" 2>&1 | grep -v Warning \
              | tee "$out/gluon-forward.log" ;;
+    gluon-sweep) python3 benchmarks/gluon_forward.py --sweep --out "$out/gluon-sweep-h200.json" 2>&1 | grep -v Warning \
+                   | tee "$out/gluon-sweep.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
