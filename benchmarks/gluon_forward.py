@@ -4,16 +4,18 @@ pipelining), against our Triton forward and cuDNN.
 Why (docs/kernel-notes.md): Triton 3.6 waits for every wgmma but a loop-carried accumulator's, and its warp
 specialisation makes no partitions on sm_90, so our forward's softmax never overlaps a matmul; cuDNN's does. Gluon
 exposes the pieces: asynchronous `warpgroup_mma`, `warpgroup_mma_wait(num_outstanding)`, TMA and mbarriers. Per
-key tile j this kernel issues S_{j+1} = Q K_{j+1}ᵀ, runs tile j's softmax while it computes, waits for the previous
-P̄V only then, issues P̄_j V_j, and waits for S_{j+1} with P̄_j V_j still in flight. K and V arrive by TMA through a
-ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed: by the computing warps themselves, or
-(`loader_warp`, FA3's split) by a warp of their own through `gl.warp_specialize`, the computing warps releasing each
-buffer on an mbarrier.
+key tile j this kernel issues S_{j+1} = Q K_{j+1}ᵀ, runs tile j's softmax while S_{j+1} and P̄_{j-1}V_{j-1}
+compute, waits for both, then issues P̄_j V_j, which runs on through the next iteration's issue and softmax. (A first
+version waited for P̄_{j-1}V_{j-1} alone with S_{j+1} in flight; ptxas then serialised every wgmma of the kernel,
+which is why it measured no faster than our Triton forward: `offline.wgmma_serialization`.) K and V arrive by TMA
+through a ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed: by the computing warps
+themselves, or (`loader_warp`, FA3's split) by a warp of their own through `gl.warp_specialize`, the computing warps
+releasing each buffer on an mbarrier.
 
 Native FA2 numerics, with or without SFA and the statistics (per 128-key tile, through the Triton kernels' own
 `_top2`, `_sfa_max` and `_stats_combine`); no emulation: the study asks how much faster the forward gets, and what
-SFA and the statistics cost in it. Scores are
-scaled by `mul.rn` before the maximum, as in our kernel (docs/kernel-notes.md: NaN at huge scores otherwise).
+SFA and the statistics cost in it. Scores are scaled by `mul.rn` before the maximum, as in our kernel
+(docs/kernel-notes.md: NaN at huge scores otherwise).
 Causal or not, any T (TMA zero-fills rows past T; columns past T are masked), head dims 64 and 128, bf16 and fp16;
 16-byte aligned rows (device-side descriptors, one per head).
 
@@ -156,8 +158,10 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
             s, m_i, l_i, repeated, ones, smax, j, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
             dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
         p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
-        # in flight: P̄_{j-1}V_{j-1}, then S_{j+1}; completing in order, one outstanding leaves S_{j+1}
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        # S_{j+1} and P̄_{j-1}V_{j-1} ran during the softmax; both retire here. Waiting for one only (wait_group 1)
+        # made ptxas serialise every wgmma of the kernel: it cannot tell which group a partial wait retires
+        # across the loop's back edge (C7514; docs/kernel-notes.md)
+        acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
         # P̄_{j-1}V_{j-1} done in this warpgroup; the barrier waits for the other's before buffer (j-1) % STAGES
         # is refilled with tile j-1+STAGES (one thread issues the copy) or released to the loader warp
         gl.thread_barrier()
@@ -167,8 +171,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
             _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, j - 1 + STAGES, BLOCK_N, STAGES,
                       (j >= 1) & (j - 1 + STAGES < n_tiles))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        # P̄_jV_j stays in flight into the next iteration, through S_{j+2}'s issue and tile j+1's softmax
         acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
 
     last = n_tiles - 1
     p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from stableflash import SFA  # noqa: E402
 from stableflash.attention.precision import resolve  # noqa: E402
-from stableflash.attention.triton import ops  # noqa: E402
+from stableflash.attention.triton import offline, ops  # noqa: E402
 from stableflash.attention.triton.offline import compile_function, compile_kernel, constexprs, resource_usage  # noqa: E402
 from stableflash.attention.triton.spec import build_spec  # noqa: E402
 
@@ -40,6 +40,18 @@ def _ptx(preset: str, stabilize, kernel: str, config) -> str:
     """The sm_90 PTX of one kernel for a preset at D = 64, T = 4096."""
     key = ops.register_spec(build_spec(resolve(preset), stabilize, torch.bfloat16, 4096))
     return compile_kernel(kernel, constexprs(key, kernel, 64, config), config).asm["ptx"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel, config", [("fwd", ops._cfg(128, 128, 8, 3)), ("dkdv", ops._DKDV_CONFIGS[0]),
+                                            ("dq", ops._DQ_CONFIGS[0])])
+def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
+    """ptxas runs a kernel's wgmmas one after another when it cannot prove a register read outside their lifetime
+    (the Gluon study's first schedule did); Triton's own kernels must not be among them. SFA + statistics at D = 128,
+    the heaviest of the native specialisations."""
+    key = ops.register_spec(build_spec(resolve("fa2"), SFA(), torch.bfloat16, 4096))
+    compiled = compile_kernel(kernel, constexprs(key, kernel, 128, config, stats=kernel == "fwd"), config)
+    assert "wgmma.mma_async" in compiled.asm["ptx"] and offline.wgmma_serialization(compiled) is None
 
 
 @pytest.mark.slow
@@ -129,13 +141,13 @@ def _gluon_study():
 @pytest.mark.parametrize("head_dim,causal,loader_warp,sfa,stats,tile", [
     (64, True, False, False, False, None), (128, True, False, False, False, None),
     (128, False, False, False, False, None), (128, True, True, False, False, None), (64, True, False, True, False, None),
-    (128, True, True, True, True, None), (128, True, False, True, True, (64, 64, 3, 4, True)),
-    (64, True, False, False, False, (64, 128, 3, 4, True))])
-def test_gluon_forward_study_keeps_a_wgmma_in_flight_across_the_softmax(head_dim, causal, loader_warp, sfa, stats,
-                                                                        tile):
+    (64, True, True, True, True, None), (128, True, False, True, True, None),
+    (128, True, False, True, True, (64, 64, 3, 4, True)), (64, True, False, False, False, (64, 128, 3, 4, True))])
+def test_gluon_forward_study_keeps_wgmmas_in_flight_across_the_softmax(head_dim, causal, loader_warp, sfa, stats, tile):
     """The Gluon study (benchmarks/gluon_forward.py) compiles for sm_90 without spills, within the H200's shared
-    memory, and its key loop twice waits with one wgmma still outstanding (S_{j+1} through tile j's softmax, P̄_jV_j
-    while S_{j+1} is read): the overlap Triton's language cannot express (docs/kernel-notes.md)."""
+    memory; its key loop issues two wgmma groups per wait (S_{j+1} through tile j's softmax, P̄_jV_j on into the next
+    iteration), and ptxas keeps them asynchronous: the overlap Triton's language cannot express
+    (docs/kernel-notes.md). Waiting for one group of two made ptxas serialise them all (C7514)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     study = _gluon_study()
@@ -144,7 +156,9 @@ def test_gluon_forward_study_keeps_a_wgmma_in_flight_across_the_softmax(head_dim
     compiled = compile_function(study._attn_fwd_hopper, consts, {"num_warps": consts["num_warps"]},
                                 source_type=GluonASTSource)
     ptx = compiled.asm["ptx"]
-    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned 1;", ptx)) == 2
+    assert offline.wgmma_serialization(compiled) is None
+    # groups: S_0 (prologue), S_{j+1} and P̄_jV_j (loop), the last P̄V; waits: prologue, loop, two at the end
+    assert ptx.count("wgmma.commit_group") == 4 and ptx.count("wgmma.wait_group") == 4
     assert "cp.async.bulk.tensor" in ptx  # K and V by TMA
     # with a loader warp, the computing warps synchronise among themselves only (a named barrier of 256 threads)
     assert ("bar.sync \t0, 256;" in ptx) == loader_warp

@@ -20,6 +20,7 @@ from stableflash.attention.triton import kernels, ops
 
 SM90 = GPUTarget("cuda", 90, 32)
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "OS", "DO", "DK", "DV", "DQ")},
              **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX")}, "STAT_COUNTS": "*i32"}
 _FLOATS = {"scale", "qk_scale", "eps_u"}
@@ -69,3 +70,20 @@ def resource_usage(compiled) -> dict:
         report = subprocess.run([_CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", report)
     return {"registers": int(found[1]), "spill_stack_bytes": int(found[2]), "shared_bytes": compiled.metadata.shared}
+
+
+def wgmma_serialization(compiled) -> str | None:
+    """ptxas's reason for running every wgmma of a kernel one after another (its "Potential Performance Loss"
+    notes, C7514/C7515: e.g. a register read it cannot prove outside an asynchronous wgmma's lifetime), or None if
+    the wgmmas stay asynchronous. Triton's own compile hides these notes; a serialised kernel still runs
+    correctly, only without the overlap its waits were written for."""
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([_PTXAS, "-v", f"-arch=sm_{compiled.metadata.target.arch}a", ptx, "-o",
+                                 os.path.join(folder, "kernel.cubin")], capture_output=True, text=True)
+    found = re.search(r"wgmma\.mma_async instructions are serialized due to (.*?) in the function",
+                      report.stdout + report.stderr)
+    return " ".join(found[1].split()) if found else None
+
