@@ -4,10 +4,10 @@ pipelining), against our Triton forward and cuDNN.
 Why (docs/kernel-notes.md): Triton 3.6 waits for every wgmma but a loop-carried accumulator's, and its warp
 specialisation makes no partitions on sm_90, so our forward's softmax never overlaps a matmul; cuDNN's does. Gluon
 exposes the pieces: asynchronous `warpgroup_mma`, `warpgroup_mma_wait(num_outstanding)`, TMA and mbarriers. Per
-key tile j this kernel issues S_{j+1} = Q K_{j+1}ᵀ, runs tile j's softmax while S_{j+1} and P̄_{j-1}V_{j-1}
-compute, waits for both, then issues P̄_j V_j, which runs on through the next iteration's issue and softmax. (A first
-version waited for P̄_{j-1}V_{j-1} alone with S_{j+1} in flight; ptxas then serialised every wgmma of the kernel,
-which is why it measured no faster than our Triton forward: `offline.wgmma_serialization`.) K and V arrive by TMA
+key tile j this kernel issues S_{j+1} = Q K_{j+1}ᵀ, rescales O, issues P̄_j V_j, waits for S_{j+1} alone and runs
+its softmax while P̄_j V_j computes (FA3's order). (A first schedule ran tile j's softmax with S_{j+1} and
+P̄_{j-1}V_{j-1} in flight and waited for the older alone; ptxas serialised every wgmma of that kernel, which is why
+it measured no faster than our Triton forward: `offline.wgmma_serialization`.) K and V arrive by TMA
 through a ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed: by the computing warps
 themselves, or (`loader_warp`, FA3's split) by a warp of their own through `gl.warp_specialize`, the computing warps
 releasing each buffer on an mbarrier.
@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.attention.precision import resolve
@@ -140,49 +140,47 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
     repeated = gl.zeros([BLOCK_M], gl.int32, layout=row_layout)  # statistics, per row until the end
     ones = gl.zeros([BLOCK_M], gl.int32, layout=row_layout)
     smax = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-    # the loop carries O as a pending wgmma result (its P̄V may still run when an iteration ends)
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready_bars.index(0), 0)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
+        s, m_i, l_i, repeated, ones, smax, 0, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
+        dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
+    p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
 
     for j in range(n_tiles - 1):
         nxt = j + 1
         mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
-        s_next = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
+        s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        # issued S_{j+1}, then P̄_jV_j: one left outstanding is P̄_jV_j, which runs through tile j+1's softmax. Every
+        # wait retires groups issued since the last full wait: a partial wait across the loop's back edge made ptxas
+        # serialise every wgmma (C7514, docs/kernel-notes.md)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
-            s, m_i, l_i, repeated, ones, smax, j, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
+            s, m_i, l_i, repeated, ones, smax, nxt, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
             dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
-        p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
-        # S_{j+1} and P̄_{j-1}V_{j-1} ran during the softmax; both retire here. Waiting for one only (wait_group 1)
-        # made ptxas serialise every wgmma of the kernel: it cannot tell which group a partial wait retires
-        # across the loop's back edge (C7514; docs/kernel-notes.md)
-        acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
-        # P̄_{j-1}V_{j-1} done in this warpgroup; the barrier waits for the other's before buffer (j-1) % STAGES
-        # is refilled with tile j-1+STAGES (one thread issues the copy) or released to the loader warp
+        # P̄_j's registers are the running wgmma's operand: the wait names them so that nothing reuses them before
+        # (without it the softmax's values overwrote them: NaN on the GPU)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+        # P̄_jV_j done in this warpgroup; the barrier waits for the other's before buffer j % STAGES is refilled
+        # with tile j + STAGES (one thread issues the copy) or released to the loader warp
         gl.thread_barrier()
         if LOADER_WARP:
-            mbarrier.arrive(empty_bars.index((j + STAGES - 1) % STAGES), pred=j >= 1)
+            mbarrier.arrive(empty_bars.index(j % STAGES))
         else:
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, j - 1 + STAGES, BLOCK_N, STAGES,
-                      (j >= 1) & (j - 1 + STAGES < n_tiles))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        # P̄_jV_j stays in flight into the next iteration, through S_{j+2}'s issue and tile j+1's softmax
-        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, j + STAGES, BLOCK_N, STAGES, j + STAGES < n_tiles)
+        p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
 
     last = n_tiles - 1
-    p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
-        s, m_i, l_i, repeated, ones, smax, last, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
-        dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
-    p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     o = acc / l_o[:, None]
@@ -209,7 +207,7 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
                      LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
                      HEAVY_FIRST: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
                      num_warps: gl.constexpr):
-    gl.static_assert(STAGES >= 3, "a buffer is refilled one tile after its P̄V completes: three at least")
+    gl.static_assert(STAGES >= 3, "a buffer is refilled once its P̄V completes: three keep each load a tile ahead")
     dtype: gl.constexpr = Q.dtype.element_ty
     if HEAVY_FIRST:  # grid (heads, query tiles): each head's longest causal row block starts first, as in FA3
         pid_m = gl.num_programs(1) - 1 - gl.program_id(1) if CAUSAL else gl.program_id(1)
