@@ -2,7 +2,8 @@
 
 Costs no device time (`stableflash.attention.triton.offline`): run it before spending GPU time on tuning.
 Rows: the native kernels (`fa2`: plain, SFA, SFA + statistics) over the autotuner's candidate tiles, and
-the emulated ones at their fixed tile (`paper`; `fp32`, whose matmul operands are fp32; the dp_p δ pass).
+the emulated ones at their fixed tile (`paper`; `fp32`, whose matmul operands are fp32; the dp_p δ pass). Each row
+also says whether ptxas runs the kernel's wgmmas one after another (`offline.wgmma_serialization`).
 
     python benchmarks/kernel_resources.py --out results/kernel-resources-sm90.json
 """
@@ -18,7 +19,7 @@ import triton
 from stableflash import SFA
 from stableflash.attention.precision import resolve
 from stableflash.attention.triton import ops
-from stableflash.attention.triton.offline import compile_kernel, constexprs, resource_usage
+from stableflash.attention.triton.offline import compile_kernel, constexprs, resource_usage, wgmma_serialization
 from stableflash.attention.triton.spec import build_spec
 
 
@@ -29,8 +30,9 @@ def row(policy, stabilize, kernel: str, head_dim: int, config: triton.Config | N
     key = ops.register_spec(spec)
     config = config or ops._emu_config(spec.ops_fp32, head_dim)
     consts = constexprs(key, kernel, head_dim, config, stats=stats)
+    compiled = compile_kernel(kernel, consts, config)
     return {"kernel": kernel, "variant": variant, "head_dim": head_dim, **config.kwargs, "warps": config.num_warps,
-            "stages": config.num_stages, **resource_usage(compile_kernel(kernel, consts, config))}
+            "stages": config.num_stages, **resource_usage(compiled), "wgmma_serialized": wgmma_serialization(compiled)}
 
 
 def main():
@@ -50,10 +52,11 @@ def main():
         for name, policy in (("fa2+dp_p", fa2), ("paper+dp_p", paper)):
             rows.append(row(policy.with_delta("dp_p"), None, "delta_dpp", D, None, name))
     print(f"{'kernel':<10}{'variant':<12}{'D':>4}{'BM':>5}{'BN':>5}{'warps':>6}{'stages':>7}{'regs':>6}{'spill B':>9}"
-          f"{'shared B':>10}")
+          f"{'shared B':>10}  wgmma")
     for r in rows:
         print(f"{r['kernel']:<10}{r['variant']:<12}{r['head_dim']:>4}{r['BLOCK_M']:>5}{r['BLOCK_N']:>5}{r['warps']:>6}"
-              f"{r['stages']:>7}{r['registers']:>6}{r['spill_stack_bytes']:>9}{r['shared_bytes']:>10}")
+              f"{r['stages']:>7}{r['registers']:>6}{r['spill_stack_bytes']:>9}{r['shared_bytes']:>10}  "
+              f"{'serialised: ' + r['wgmma_serialized'] if r['wgmma_serialized'] else 'async'}")
     if args.out:
         meta = {"target": "sm_90", "triton": triton.__version__, "tool": "cuobjdump -res-usage",
                 "specialisation": "pointers 16-byte aligned; strides, logical tiles and T (4096) divisible by 16"}
