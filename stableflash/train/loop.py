@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -81,6 +82,14 @@ def _provenance(cfg: TrainConfig, device: torch.device) -> dict:
     return info
 
 
+def _tile_picks():
+    """The fused attention's autotuner picks (`TILE_PICKS`), or None where Triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from stableflash.attention.triton.picks import TILE_PICKS
+    return TILE_PICKS
+
+
 class Trainer:
     """One run in one folder. `run()` trains from the current step to `cfg.run.max_steps`."""
 
@@ -114,6 +123,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self._load()
+        if self.device.type == "cuda":
+            self._pick_attention_tiles()
         self.batch_log = ReplayLog(self.run_dir / "batches.jsonl") if self.is_main else None
         self.monitor = Monitor(cfg.monitor, self.model, self.run_dir, enabled=self.is_main)
         self.tensorboard = None
@@ -133,7 +144,8 @@ class Trainer:
         return {"step": self.step, "model": self.model.state_dict(),
                 "optimizers": [o.state_dict() for o in self.optimizers], "rng": rng_state(),
                 "data_cursor": {"next_step": self.step, "seed": self.cfg.run.seed},
-                "attention": [a.attention for a in self.model.attentions], "config": self.cfg.to_dict()}
+                "attention": [a.attention for a in self.model.attentions], "config": self.cfg.to_dict(),
+                "tile_picks": picks.state_dict() if (picks := _tile_picks()) is not None else []}
 
     def save(self) -> None:
         if self.is_main:
@@ -149,6 +161,9 @@ class Trainer:
         for attn, layer_attention in zip(self.model.attentions, state.get("attention", [])):
             attn.attention = layer_attention
         set_rng_state(state["rng"])
+        if state.get("tile_picks") and _tile_picks() is not None:
+            from stableflash.attention.triton.ops import pin_tiles
+            pin_tiles(state["tile_picks"])
         self.step = state["step"]
         # drop log lines of steps after the checkpoint: they are recomputed, bit for bit
         for name in ("metrics.jsonl", "monitor.jsonl"):
@@ -157,6 +172,33 @@ class Trainer:
                 keep = [line for line in path.read_text().splitlines()
                         if line.strip() and json.loads(line).get("step", 0) <= self.step]
                 path.write_text("".join(line + "\n" for line in keep))
+
+    def _pick_attention_tiles(self) -> None:
+        """Autotune the fused attention eagerly, once per distinct layer attention, before the first step (a
+        compiled one included). The picks are then launched everywhere, kept in checkpoints and restored on resume
+        (`_load` runs first, so a resumed run autotunes only launches the checkpoint has no pick for): a resumed
+        `fa2` run launches the tiles the interrupted one did, where inductor would autotune again in each process
+        and another tile gives other last bits. Under DDP every rank takes rank 0's picks."""
+        from stableflash.attention import stabilize as stab_module
+        from stableflash.attention import triton as triton_attention
+        from stableflash.attention.triton.ops import pin_tiles
+
+        m = self.cfg.model
+        shape = (self.cfg.data.batch_size, m.n_head, m.block_size, m.n_embd // m.n_head)
+        dtype = torch.bfloat16 if self.cfg.run.dtype == "bf16" else torch.float32
+        seen = set()
+        for layer in self.model.attentions:
+            a = layer.attention
+            key = (a.precision.cache_key, stab_module.cache_key(a.stabilize))
+            if (a.backend in ("auto", "triton") and key not in seen and shape[-1] in triton_attention.HEAD_DIMS
+                    and triton_attention.supports_policy(a.precision, a.stabilize, dtype)):
+                seen.add(key)
+                triton_attention.pick_tiles(shape, precision=a.precision, stabilize=a.stabilize, dtype=dtype,
+                                            device=self.device)
+        if self.world > 1:
+            state = [_tile_picks().state_dict() if self.is_main else None]
+            dist.broadcast_object_list(state, src=0)
+            pin_tiles(state[0])
 
     # -- data -----------------------------------------------------------------------
 

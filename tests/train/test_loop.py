@@ -59,6 +59,64 @@ def test_resume_on_the_gpu_is_bit_exact(tmp_path, tiny):
     assert len(b) == 12 and a == b
 
 
+def test_checkpoints_keep_the_attention_tile_picks(tmp_path, tiny):
+    """The fused attention's autotuner picks go into every checkpoint and are pinned again on resume (on a GPU the
+    trainer makes them before the first step; here one is planted)."""
+    pytest.importorskip("triton")
+    from stableflash.attention.triton.picks import TILE_PICKS, TilePicks
+
+    key = TilePicks.key("_attn_fwd", "pointers", 64, torch.bfloat16, {"CAUSAL": True})
+    saved = TILE_PICKS.state_dict()
+    try:
+        TILE_PICKS.clear()
+        TILE_PICKS.load_state_dict([{"key": list(key), "kwargs": {"BLOCK_M": 64, "BLOCK_N": 32}, "num_warps": 4,
+                                     "num_stages": 2}])
+        train(tiny("run.max_steps=2", "run.checkpoint_interval=0"), tmp_path / "run")
+        assert load_checkpoint(tmp_path / "run")["tile_picks"] == TILE_PICKS.state_dict()
+        TILE_PICKS.clear()
+        assert main(["train", "--resume", str(tmp_path / "run"), "--set", "run.max_steps=3"]) == 0
+        assert TILE_PICKS.get(key).kwargs == {"BLOCK_M": 64, "BLOCK_N": 32}
+    finally:
+        TILE_PICKS.clear()
+        TILE_PICKS.load_state_dict(saved)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fa2_resume_on_the_gpu_launches_the_checkpointed_tiles(tmp_path, tiny):
+    """With native numerics the kernels are autotuned; a resumed run must launch the interrupted run's tiles, not
+    its own picks. The resume runs as a fresh process would (no picks, no cached launches or autotuner results) and
+    with every picked tile taken out of the autotuner's candidates: only the checkpoint's picks can then give the
+    same bits. Compiled, so the picks must also reach inductor."""
+    from stableflash.attention.triton import ops
+    from stableflash.attention.triton.picks import TILE_PICKS
+
+    gpu = ("run.device=cuda", "run.checkpoint_interval=0", "attention.backend=triton", "attention.precision=fa2",
+           "run.compile=true", "model.n_embd=128", "model.n_head=2")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(tiny("run.max_steps=8", *gpu), straight)
+    train(tiny("run.max_steps=4", *gpu), split)
+    picked = {(tuple(sorted(p["kwargs"].items())), p["num_warps"], p["num_stages"])
+              for p in load_checkpoint(split)["tile_picks"]}
+    assert picked
+    tuners = [ops._fwd, ops._dkdv, ops._dq, ops._fwd_either, ops._dkdv_either, ops._dq_either]
+    saved = [t.configs for t in tuners]
+    try:
+        TILE_PICKS.clear()
+        ops._launches.cache.clear()
+        torch._dynamo.reset()
+        for t in tuners:
+            t.cache.clear()
+            others = [c for c in t.configs
+                      if (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) not in picked]
+            t.configs = others or t.configs
+        assert main(["train", "--resume", str(split), "--set", "run.max_steps=8"]) == 0
+    finally:
+        for t, configs in zip(tuners, saved):
+            t.configs = configs
+    assert losses(straight) == losses(split)
+
+
 def test_two_runs_are_bit_identical_and_schedule_ignores_max_steps(tmp_path, tiny):
     train(tiny("run.max_steps=8"), tmp_path / "a")
     train(tiny("run.max_steps=12"), tmp_path / "b")

@@ -19,7 +19,7 @@ from stableflash.attention.reference import split_heads
 from stableflash.attention.stats import AttentionStats
 from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, build_spec, unsupported_reason
 
-__all__ = ["attention", "supports", "supports_policy", "HEAD_DIMS"]
+__all__ = ["attention", "supports", "supports_policy", "pick_tiles", "HEAD_DIMS"]
 
 
 def supports(q: torch.Tensor) -> bool:
@@ -34,6 +34,28 @@ def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfl
         return supports_policy(policy.replace(head_override=None), stabilize, dtype) and supports_policy(
             other, stabilize, dtype)
     return unsupported_reason(policy, stabilize, dtype) is None
+
+
+def pick_tiles(shape: tuple[int, int, int, int], *, precision="fa2", stabilize=None, dtype=torch.bfloat16,
+               device="cuda") -> int:
+    """Autotune the kernels eagerly for causal attention of `shape` (B, H, T, D) under `precision` and `stabilize`:
+    the forward with and without statistics, and the backward, on random inputs laid out as a model's heads
+    ((B, T, H, D) in memory). The picks land in `picks.TILE_PICKS`, where every later launch takes them, a
+    torch.compile'd one as a fixed tile, and checkpoints keep them. The global RNG is left untouched. Returns how
+    many picks `TILE_PICKS` holds."""
+    from stableflash.attention.api import flash_attention
+    from stableflash.attention.triton.picks import TILE_PICKS
+
+    B, H, T, D = shape
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, dtype=dtype, device=device, generator=generator).transpose(1, 2)
+               .requires_grad_() for _ in range(3))
+    eps = stabilize.eps if isinstance(stabilize, stab_module.SFA) else AttentionStats(H).eps
+    for stats in (None, AttentionStats(H, eps=eps)):
+        out = flash_attention(q, k, v, causal=True, precision=precision, stabilize=stabilize, backend="triton",
+                              stats=stats)
+        out.float().sum().backward()
+    return len(TILE_PICKS)
 
 
 def check(q: torch.Tensor, policy: Precision, stabilize) -> None:

@@ -22,6 +22,7 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime import _allocation  # the allocator in effect: Triton has no public getter
 
 from stableflash.attention.triton import kernels
+from stableflash.attention.triton.picks import TILE_PICKS, PickKey
 from stableflash.attention.triton.spec import INTERPRET, LOG2E, PHYSICAL_TILE, KernelSpec
 
 _SPECS: dict[str, KernelSpec] = {}
@@ -129,6 +130,22 @@ def trailing_constexprs(plain, num_args: int, meta: dict, config: triton.Config)
     return tuple(values[name] for name in plain.arg_names[num_args:])
 
 
+def _pick_key(tuned, plain, args, meta: dict) -> PickKey | None:
+    """The launch's key in `TILE_PICKS` (None for a launch that is not autotuned, or traced with a symbolic T)."""
+    T = args[plain.arg_names.index("T")]
+    if tuned is None or not isinstance(T, int):
+        return None
+    candidates = "either" if tuned in (_fwd_either, _dkdv_either, _dq_either) else "pointers"
+    return TILE_PICKS.key(plain.__name__, candidates, T, args[0].dtype, meta)
+
+
+def pin_tiles(state: list[dict]) -> None:
+    """Launch the tiles of `state` (a `TILE_PICKS.state_dict()`, e.g. a checkpoint's) instead of autotuning; the
+    launches this process has cached are forgotten so that the next ones take them."""
+    TILE_PICKS.load_state_dict(state)
+    _launches.cache.clear()
+
+
 class _Launches:
     """Launches a kernel with as little host work as possible once its tile is known.
 
@@ -152,9 +169,13 @@ class _Launches:
                *(a if isinstance(a, int) else (a.dtype, a.data_ptr() % 16 == 0) for a in args if not isinstance(a, float)))
         hit = self.cache.get(key)
         if hit is None:
+            pick_key = _pick_key(tuned, plain, args, meta) if config is None else None
+            config = config or (TILE_PICKS.get(pick_key) if pick_key is not None else None)
             if config is None:
                 compiled = tuned[grid](*args, **meta)
                 config = tuned.best_config
+                if pick_key is not None:
+                    TILE_PICKS.record(pick_key, config)
             else:
                 compiled = plain[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                                       num_stages=config.num_stages)
@@ -180,7 +201,10 @@ def _launch(tuned, plain, grid, *args, config=None, **meta):
 
 def _traced_launch(tuned, plain, grid, *args, config=None, **meta):
     """`_launch` through `wrap_triton`: under torch.compile the kernel becomes a node of the graph (inductor
-    autotunes it over the same candidate tiles and launches it itself); eagerly, a plain Triton launch."""
+    autotunes it over the same candidate tiles and launches it itself, unless `TILE_PICKS` holds a pick for it:
+    then that tile, fixed); eagerly, a plain Triton launch."""
+    if config is None and (pick_key := _pick_key(tuned, plain, args, meta)) is not None:
+        config = TILE_PICKS.get(pick_key)
     if config is None:
         wrap_triton(tuned)[grid](*args, **meta)
     else:
