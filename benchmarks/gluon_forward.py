@@ -10,7 +10,9 @@ P̄_{j-1}V_{j-1} in flight and waited for the older alone; ptxas serialised ever
 it measured no faster than our Triton forward: `offline.wgmma_serialization`.) K and V arrive by TMA
 through a ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed: by the computing warps
 themselves, or (`loader_warp`, FA3's split) by a warp of their own through `gl.warp_specialize`, the computing warps
-releasing each buffer on an mbarrier.
+releasing each buffer on an mbarrier. With `Tile(pingpong=True)` the 128 rows are two partitions of one warpgroup
+each, 240 registers apiece, that take turns to issue their matmuls through two mbarriers (FA3's inter-warpgroup
+schedule: one's softmax under the other's matmuls); compiled offline only so far (docs/kernel-notes.md).
 
 Native FA2 numerics, with or without SFA and the statistics (per 128-key tile, through the Triton kernels' own
 `_top2`, `_sfa_max` and `_stats_combine`); no emulation: the study asks how much faster the forward gets, and what
@@ -48,6 +50,7 @@ from stableflash.attention.triton.spec import build_spec
 
 LOG2E = 1.4426950408889634
 _LOG2E = gl.constexpr(LOG2E)
+PINGPONG_REGS = gl.constexpr(240)  # registers per thread of the second computing warpgroup (the loader warp: 24)
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
 
@@ -117,13 +120,16 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles,
 
 
 @gluon.jit
-def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars,
+def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars, turn_bars,
              O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale, eps_u,
              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
-             LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr):
-    """QKᵀ, the online softmax and P̄V over the key tiles, then O and the log-sum-exp. Without LOADER_WARP these
-    warps also refill the ring; with it they release each buffer to the loader warp."""
+             LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
+             PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """QKᵀ, the online softmax and P̄V over the key tiles for BLOCK_M rows from m0, then O and the log-sum-exp.
+    Without LOADER_WARP these warps also refill the ring; with it they release each buffer to the loader warp.
+    With PINGPONG two such warpgroups (WG 0 and 1, 64 rows each) take turns to issue their matmuls, so that one's
+    softmax runs while the other's matmuls keep the tensor cores busy (FA3's inter-warpgroup schedule)."""
     dtype: gl.constexpr = q_smem.dtype
     num_warps: gl.constexpr = gl.num_warps()
     # one warpgroup per 64 rows; S tiles and O in wgmma accumulator layouts, P̄ as the register A operand of P̄V
@@ -155,9 +161,13 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, 
     for j in range(n_tiles - 1):
         nxt = j + 1
         mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+        if PINGPONG:  # wait for this warpgroup's turn: the other's j-th issue (WG 0 goes first)
+            mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
         s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        if PINGPONG:  # the other warpgroup may issue now, while this one waits for S_{j+1} and runs its softmax
+            mbarrier.arrive(turn_bars.index(1 - WG))
         # issued S_{j+1}, then P̄_jV_j: one left outstanding is P̄_jV_j, which runs through tile j+1's softmax. Every
         # wait retires groups issued since the last full wait: a partial wait across the loop's back edge made ptxas
         # serialise every wgmma (C7514, docs/kernel-notes.md)
@@ -205,9 +215,13 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
                      LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
-                     HEAVY_FIRST: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     HEAVY_FIRST: gl.constexpr, PINGPONG: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                     KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(STAGES >= 3, "a buffer is refilled once its P̄V completes: three keep each load a tile ahead")
+    gl.static_assert(not PINGPONG or (LOADER_WARP and num_warps == 4 and BLOCK_M == 128),
+                     "pingpong: two warpgroups of 64 rows (the kernel's 4 warps and a worker's) and a loader warp")
+    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS  # query rows per computing partition
     dtype: gl.constexpr = Q.dtype.element_ty
     if HEAVY_FIRST:  # grid (heads, query tiles): each head's longest causal row block starts first, as in FA3
         pid_m = gl.num_programs(1) - 1 - gl.program_id(1) if CAUSAL else gl.program_id(1)
@@ -218,22 +232,26 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
     q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [T, HEAD_DIM], [stride_qt, 1],
-                                        [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+                                        [ROWS, HEAD_DIM], Q_LAYOUT)
     k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, [T, HEAD_DIM], [stride_kt, 1],
                                         [BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [T, HEAD_DIM], [stride_vt, 1],
                                         [BLOCK_N, HEAD_DIM], KV_LAYOUT)
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bars.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=CONSUMERS)  # each computing partition releases each buffer
+    for i in gl.static_range(2):
+        mbarrier.init(turn_bars.index(i), count=1)
 
     m0 = pid_m * BLOCK_M
     if CAUSAL:
@@ -244,39 +262,60 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
         mask_from = T
     n_tiles = gl.cdiv(hi, BLOCK_N)
 
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0 + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
     o_base = b * stride_ob + h * stride_oh
-    if LOADER_WARP:  # FA3's split: one warp streams K and V, these warps compute
-        gl.warp_specialize([(_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars,
-                                        O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles,
-                                        mask_from, qk_scale, eps_u, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                                        LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED, STATS)),
-                            (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles, BLOCK_N,
-                                        STAGES))], [1], [24])
+    if PINGPONG:  # two computing warpgroups taking turns, and FA3's loader warp
+        gl.warp_specialize([
+            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
+                        turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from,
+                        qk_scale, eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH,
+                        BOUNDED, STATS, PINGPONG, 0)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), ready_bars, empty_bars,
+                        turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0 + ROWS, T, n_tiles,
+                        mask_from, qk_scale, eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA,
+                        LOW, HIGH, BOUNDED, STATS, PINGPONG, 1)),
+            (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles, BLOCK_N, STAGES))],
+            [4, 1], [PINGPONG_REGS, 24])
+    elif LOADER_WARP:  # FA3's split: one warp streams K and V, these warps compute
+        gl.warp_specialize([
+            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
+                        turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from,
+                        qk_scale, eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH,
+                        BOUNDED, STATS, PINGPONG, 0)),
+            (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles, BLOCK_N, STAGES))],
+            [1], [24])
     else:
         for i in gl.static_range(STAGES):
             _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, i, BLOCK_N, STAGES, i < n_tiles)
-        _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars, O, LSE, STAT_COUNTS,
-                 STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale, eps_u, HEAD_DIM, BLOCK_M,
-                 BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
-    mbarrier.invalidate(q_bar)
+        _consume(q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
+                 turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale,
+                 eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED, STATS,
+                 PINGPONG, 0)
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(q_bars.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready_bars.index(i))
         mbarrier.invalidate(empty_bars.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn_bars.index(i))
 
 
 class Tile(NamedTuple):
-    """One launch shape: query rows and keys per tile, K/V ring buffers, warps (a warpgroup per 64 rows), and
-    whether the grid runs each head's heaviest causal row block first."""
+    """One launch shape: query rows and keys per tile, K/V ring buffers, warps (a warpgroup per 64 rows), whether
+    the grid runs each head's heaviest causal row block first, and pingpong (128 rows on two warpgroups of their
+    own taking turns, `warps` 4: the kernel's, plus a worker warpgroup and the loader warp)."""
     block_m: int = 128
     block_n: int = 128
     stages: int = 3
     warps: int = 8
     heavy_first: bool = False
+    pingpong: bool = False
 
     def __str__(self):
-        return f"{self.block_m}x{self.block_n}/{self.stages}st/{self.warps}w{'/heavy' if self.heavy_first else ''}"
+        return (f"{self.block_m}x{self.block_n}/{self.stages}st/{self.warps}w{'/heavy' if self.heavy_first else ''}"
+                f"{'/pingpong' if self.pingpong else ''}")
 
 
 def tile_for(head_dim: int) -> Tile:
@@ -289,11 +328,14 @@ def tile_for(head_dim: int) -> Tile:
 # lets two or more CTAs share an SM and the scheduler interleave them (pingpong without barriers).
 # CTAs per SM offline (sm_90, plain / SFA + statistics): D = 64: 128x128/4 1/1, 64x128/3 2/2, 64x64/3 and /4 3/3,
 # 128x64/4 2/1; D = 128: 128x128/3 1/1, 64x64/3 2/2, 64x128/3 1/1, 128x64/4 1/1.
+# Pingpong (last, so that a hang there, which only a GPU can show, loses nothing else; `--only pingpong` runs them
+# alone): 128 rows on two warpgroups of 64 that take turns, 240 registers each, and the loader warp.
 SWEEP_TILES = {
     64: [Tile(128, 128, 4, 8), Tile(128, 128, 4, 8, True), Tile(64, 128, 3, 4, True), Tile(64, 64, 3, 4, True),
-         Tile(64, 64, 4, 4, True), Tile(128, 64, 4, 8, True)],
+         Tile(64, 64, 4, 4, True), Tile(128, 64, 4, 8, True), Tile(128, 128, 4, 4, True, True),
+         Tile(128, 64, 4, 4, True, True)],
     128: [Tile(128, 128, 3, 8), Tile(128, 128, 3, 8, True), Tile(64, 64, 3, 4, True), Tile(64, 128, 3, 4, True),
-          Tile(128, 64, 4, 8, True)],
+          Tile(128, 64, 4, 8, True), Tile(128, 128, 3, 4, True, True), Tile(128, 64, 4, 4, True, True)],
 }
 SWEEP_CHECK_SHAPES = {64: [(2, 3, 77, 64), (1, 4, 513, 64)], 128: [(1, 3, 333, 128), (2, 2, 1000, 128)]}
 
@@ -317,12 +359,13 @@ def launch_constants(head_dim: int, dtype, T: int, causal: bool, loader_warp: bo
                      stats_eps=None, tile: Tile | None = None) -> tuple[dict, float]:
     """The kernel's compile-time arguments (tile, layouts, switches, warps) and its runtime eps, base 2."""
     tile = tile or tile_for(head_dim)
-    q_layout, kv_layout = layouts(head_dim, dtype, tile.block_m, tile.block_n)
+    rows = tile.block_m // 2 if tile.pingpong else tile.block_m  # per computing warpgroup pair or group
+    q_layout, kv_layout = layouts(head_dim, dtype, rows, tile.block_n)
     softmax = softmax_constants(stabilize, stats_eps, dtype, T)
     eps_u = softmax.pop("eps_u")
     return dict(HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.stages, CAUSAL=causal,
-                LOADER_WARP=loader_warp, **softmax, HEAVY_FIRST=tile.heavy_first, Q_LAYOUT=q_layout,
-                KV_LAYOUT=kv_layout, num_warps=tile.warps), eps_u
+                LOADER_WARP=loader_warp or tile.pingpong, **softmax, HEAVY_FIRST=tile.heavy_first,
+                PINGPONG=tile.pingpong, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=tile.warps), eps_u
 
 
 def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stabilize=None, stats_eps=None,
@@ -430,16 +473,17 @@ def timed_tile(shape, tile: Tile, base: dict) -> dict:
             "sfa_stats_vs_triton": row["sfa-stats"] / base["triton-sfa-stats"]}
 
 
-def sweep(shapes, out: Path, meta: dict) -> None:
-    """Every tile of SWEEP_TILES at the shapes of its head dim: four checks (both shapes, causal and not, plain and
-    SFA + statistics), then, if all pass, forward TFLOP/s plain and with SFA + statistics beside our Triton forward
-    and cuDNN. The JSON is rewritten after each tile, so a run cut short keeps what it measured."""
+def sweep(shapes, out: Path, meta: dict, only: str = "") -> None:
+    """Every tile of SWEEP_TILES (whose name contains `only`) at the shapes of its head dim: four checks (both
+    shapes, causal and not, plain and SFA + statistics), then, if all pass, forward TFLOP/s plain and with SFA +
+    statistics beside our Triton forward and cuDNN. The JSON is rewritten after each tile, so a run cut short keeps
+    what it measured."""
     sfa = SFA()
     baselines = {shape: timed(shape, skip=set(GLUON_RUNS)) for shape in shapes}
     result = {"meta": meta, "baselines": [baselines[s] for s in shapes], "tiles": []}
     for head_dim in sorted({s[-1] for s in shapes}):
         small, big = SWEEP_CHECK_SHAPES[head_dim]
-        for tile in SWEEP_TILES[head_dim]:
+        for tile in (t for t in SWEEP_TILES[head_dim] if only in str(t)):
             checks = [check(small, True, False, tile=tile), check(big, True, False, sfa, True, tile),
                       check(big, False, False, tile=tile), check(small, False, False, sfa, True, tile)]
             ok = all(c["ok"] for c in checks)
@@ -458,6 +502,7 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("results/gluon-forward-h200.json"))
     parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
     parser.add_argument("--sweep", action="store_true", help="the launch tiles of SWEEP_TILES instead of the study")
+    parser.add_argument("--only", default="", help="with --sweep: only the tiles whose name contains this")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -465,7 +510,7 @@ def main():
             "timing": "do_bench_cudagraph median, forward only, causal bf16", "flops": "4*B*H*T^2*D/2"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.sweep:
-        sweep(shapes, args.out, meta)
+        sweep(shapes, args.out, meta, args.only)
         return
     checks = [check(s, c, w, z, st) for s in [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)]
               for c in (True, False) for w in (False, True) for z in (None, SFA()) for st in (False, True)]

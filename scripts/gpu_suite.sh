@@ -48,7 +48,8 @@ for part in $parts; do
                  | tee "$out/emulation-agreement.log" ;;
     gluon) python3 benchmarks/gluon_forward.py --out "$out/gluon-forward-h200.json" 2>&1 | grep -v Warning \
              | tee "$out/gluon-forward.log" ;;
-    gluon-sweep) python3 benchmarks/gluon_forward.py --sweep --out "$out/gluon-sweep-h200.json" 2>&1 | grep -v Warning \
+    # a deadlocked schedule would hang the call: the sweep is cut at 420 s (its JSON is written after every tile)
+    gluon-sweep) timeout 420 python3 benchmarks/gluon_forward.py --sweep --out "$out/gluon-sweep-h200.json" 2>&1 | grep -v Warning \
                    | tee "$out/gluon-sweep.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac

@@ -142,7 +142,8 @@ def _gluon_study():
     (64, True, False, False, False, None), (128, True, False, False, False, None),
     (128, False, False, False, False, None), (128, True, True, False, False, None), (64, True, False, True, False, None),
     (64, True, True, True, True, None), (128, True, False, True, True, None),
-    (128, True, False, True, True, (64, 64, 3, 4, True)), (64, True, False, False, False, (64, 128, 3, 4, True))])
+    (128, True, False, True, True, (64, 64, 3, 4, True)), (64, True, False, False, False, (64, 128, 3, 4, True)),
+    (128, True, False, False, False, (128, 128, 3, 4, True, True)), (64, False, False, True, True, (128, 128, 4, 4, True, True))])
 def test_gluon_forward_study_keeps_wgmmas_in_flight_across_the_softmax(head_dim, causal, loader_warp, sfa, stats, tile):
     """The Gluon study (benchmarks/gluon_forward.py) compiles for sm_90 without spills, within the H200's shared
     memory; its key loop issues S_{j+1} and P̄_jV_j, waits for S_{j+1} alone and leaves P̄_jV_j running through the
@@ -157,13 +158,17 @@ def test_gluon_forward_study_keeps_wgmmas_in_flight_across_the_softmax(head_dim,
                                 source_type=GluonASTSource)
     ptx = compiled.asm["ptx"]
     assert offline.wgmma_serialization(compiled) is None
-    # groups: S_0 (prologue), S_{j+1} and P̄_jV_j (loop), the last P̄V; waits: prologue, two in the loop (one of them
-    # partial: P̄_jV_j through the softmax), the end
+    # per computing warpgroup pair or group: groups S_0 (prologue), S_{j+1} and P̄_jV_j (loop), the last P̄V; waits:
+    # prologue, two in the loop (one of them partial: P̄_jV_j through the softmax), the end
+    pingpong = bool(tile and tile[-1] is True and len(tile) == 6)
+    copies = 2 if pingpong else 1
     waits = sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx))
-    assert ptx.count("wgmma.commit_group") == 4 and waits == ["0", "0", "0", "1"]
+    assert ptx.count("wgmma.commit_group") == 4 * copies and waits == sorted(["0", "0", "0", "1"] * copies)
     assert "cp.async.bulk.tensor" in ptx  # K and V by TMA
-    # with a loader warp, the computing warps synchronise among themselves only (a named barrier of 256 threads)
-    assert ("bar.sync \t0, 256;" in ptx) == loader_warp
+    # with a loader warp, the computing warps synchronise among themselves only (a named barrier of 256 threads);
+    # with pingpong each warpgroup is a partition of its own (a named barrier of 128 threads each)
+    assert ("bar.sync \t0, 256;" in ptx) == (loader_warp and not pingpong)
+    assert (len(set(re.findall(r"bar\.sync \t(\d+), 128;", ptx))) == 2) == pingpong
     # SFA's pair reduction adds min/max work per score: about 6.5 per score a thread holds, 2.1 for the row maximum
     scores_per_thread = consts["BLOCK_M"] * consts["BLOCK_N"] // (32 * consts["num_warps"])
     assert (len(re.findall(r"\b(?:max|min)(?:\.NaN)?\.f32", ptx)) > 4 * scores_per_thread) == sfa
