@@ -123,7 +123,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self._load()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and _tile_picks() is not None:
             self._pick_attention_tiles()
         self.batch_log = ReplayLog(self.run_dir / "batches.jsonl") if self.is_main else None
         self.monitor = Monitor(cfg.monitor, self.model, self.run_dir, enabled=self.is_main)

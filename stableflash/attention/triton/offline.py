@@ -86,4 +86,3 @@ def wgmma_serialization(compiled) -> str | None:
     found = re.search(r"wgmma\.mma_async instructions are serialized due to (.*?) in the function",
                       report.stdout + report.stderr)
     return " ".join(found[1].split()) if found else None
-
