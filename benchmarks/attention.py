@@ -22,6 +22,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stableflash import SFA, AttentionStats, flash_attention
+from stableflash.attention.triton.picks import TILE_PICKS
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
@@ -118,7 +119,8 @@ def main():
             "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed",
             "fwdbwd_tflops_cudagraph": "forward+backward replayed from a CUDA graph: device time, no host work"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    # which tile the autotuner picked for each launch of our kernels (key: kernel, candidates, T, dtype, switches)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "tile_picks": TILE_PICKS.state_dict()}, indent=2))
     print_summary(rows)
 
 
