@@ -178,7 +178,8 @@ class Trainer:
         compiled one included). The picks are then launched everywhere, kept in checkpoints and restored on resume
         (`_load` runs first, so a resumed run autotunes only launches the checkpoint has no pick for): a resumed
         `fa2` run launches the tiles the interrupted one did, where inductor would autotune again in each process
-        and another tile gives other last bits. Under DDP every rank takes rank 0's picks."""
+        and another tile gives other last bits. Under DDP every rank takes rank 0's picks. Called again when the
+        monitor switches a layer's attention (launches that have a pick then only run, they are not autotuned)."""
         from stableflash.attention import stabilize as stab_module
         from stableflash.attention import triton as triton_attention
         from stableflash.attention.triton.ops import pin_tiles
@@ -309,6 +310,8 @@ class Trainer:
         if action == "rollback" and (self.run_dir / "checkpoint.pt").exists():
             self._load()
         self.model.set_layer_attention(layer, new)
+        if self.device.type == "cuda" and _tile_picks() is not None:
+            self._pick_attention_tiles()  # the new attention's tiles, picked eagerly and kept like the others
         self._log("events.jsonl", {"step": self.step, "kind": "action", "action": action, "layer": layer,
                                    "attention": new.describe()})
 
