@@ -152,16 +152,17 @@ def test_gluon_forward_study_keeps_wgmmas_in_flight_across_the_softmax(head_dim,
     from triton.experimental.gluon._runtime import GluonASTSource
 
     study = _gluon_study()
+    tile = study.Tile(*tile) if tile else study.tile_for(head_dim)
     consts, _ = study.launch_constants(head_dim, torch.bfloat16, 4096, causal, loader_warp, SFA() if sfa else None,
-                                       1e-3 if stats else None, study.Tile(*tile) if tile else None)
+                                       1e-3 if stats else None, tile)
     compiled = compile_function(study._attn_fwd_hopper, consts, {"num_warps": consts["num_warps"]},
                                 source_type=GluonASTSource)
     ptx = compiled.asm["ptx"]
     assert offline.wgmma_serialization(compiled) is None
     # per computing warpgroup pair or group: groups S_0 (prologue), S_{j+1} and P̄_jV_j (loop), the last P̄V; waits:
     # prologue, two in the loop (one of them partial: P̄_jV_j through the softmax), the end
-    pingpong = bool(tile and tile[-1] is True and len(tile) == 6)
-    copies = 2 if pingpong else 1
+    pingpong = tile.pingpong
+    copies = 2 if pingpong else 1  # the computing code, once per computing partition
     waits = sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx))
     assert ptx.count("wgmma.commit_group") == 4 * copies and waits == sorted(["0", "0", "0", "1"] * copies)
     assert "cp.async.bulk.tensor" in ptx  # K and V by TMA
@@ -170,8 +171,8 @@ def test_gluon_forward_study_keeps_wgmmas_in_flight_across_the_softmax(head_dim,
     assert ("bar.sync \t0, 256;" in ptx) == (loader_warp and not pingpong)
     assert (len(set(re.findall(r"bar\.sync \t(\d+), 128;", ptx))) == 2) == pingpong
     # SFA's pair reduction adds min/max work per score: about 6.5 per score a thread holds, 2.1 for the row maximum
-    scores_per_thread = consts["BLOCK_M"] * consts["BLOCK_N"] // (32 * consts["num_warps"])
-    assert (len(re.findall(r"\b(?:max|min)(?:\.NaN)?\.f32", ptx)) > 4 * scores_per_thread) == sfa
+    scores_per_thread = tile.block_m // copies * tile.block_n // (32 * tile.warps)
+    assert (len(re.findall(r"\b(?:max|min)(?:\.NaN)?\.f32", ptx)) > 4 * scores_per_thread * copies) == sfa
     assert ("atom.global" in ptx or "red.global" in ptx) == stats  # the statistics' per-head counters
     usage = resource_usage(compiled)
     assert usage["spill_stack_bytes"] == 0 and usage["shared_bytes"] <= 232_448
