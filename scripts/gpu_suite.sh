@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores;
 # with the D = 128 TMA candidates the suite took 378 s on 6 workers, 268 s before).
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon|gluon-sweep]...
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon|gluon-sweep|pingpong]...
 #   (default: tests bench)
 # lab: the call-path layers at three shapes (benchmarks/attention_tiles.py)
 # variants: the kernels' study switches against the kernels as they ship (benchmarks/kernel_switches.py)
@@ -10,6 +10,7 @@
 # agreement: how often the emulated presets give the reference's bits (scripts/emulation_agreement.py)
 # gluon: the Gluon forward study, checked then timed against our forward and cuDNN (benchmarks/gluon_forward.py)
 # gluon-sweep: the same kernel over launch tiles (CTAs per SM, heaviest row blocks first), each checked then timed
+# pingpong: the sweep's pingpong tiles alone (two warpgroups taking turns), at the two 4096-token shapes
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -51,6 +52,8 @@ for part in $parts; do
     # a deadlocked schedule would hang the call: the sweep is cut at 420 s (its JSON is written after every tile)
     gluon-sweep) timeout 420 python3 benchmarks/gluon_forward.py --sweep --out "$out/gluon-sweep-h200.json" 2>&1 | grep -v Warning \
                    | tee "$out/gluon-sweep.log" ;;
+    pingpong) timeout 300 python3 benchmarks/gluon_forward.py --sweep --only pingpong --shapes "4,12,4096,64;4,16,4096,128" \
+                --out "$out/gluon-pingpong-h200.json" 2>&1 | grep -v Warning | tee "$out/gluon-pingpong.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
