@@ -17,7 +17,6 @@ from stableflash.train.checkpoint import load_checkpoint, save_checkpoint
 from stableflash.train.demo import read_jsonl
 from stableflash.train.loop import train
 
-
 _STDERR_TAIL = 8000  # torchrun prints its summary last: the failing rank's own message comes before it
 
 
