@@ -120,7 +120,7 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles,
 
 
 @gluon.jit
-def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars, turn_bars,
+def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars, turn_bars,
              O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale, eps_u,
              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
@@ -268,11 +268,11 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
     o_base = b * stride_ob + h * stride_oh
     if PINGPONG:  # two computing warpgroups taking turns, and FA3's loader warp
         gl.warp_specialize([
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
+            (_consume, (k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
                         turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from,
                         qk_scale, eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH,
                         BOUNDED, STATS, PINGPONG, 0)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), ready_bars, empty_bars,
+            (_consume, (k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), ready_bars, empty_bars,
                         turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0 + ROWS, T, n_tiles,
                         mask_from, qk_scale, eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA,
                         LOW, HIGH, BOUNDED, STATS, PINGPONG, 1)),
@@ -280,7 +280,7 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
             [4, 1], [PINGPONG_REGS, 24])
     elif LOADER_WARP:  # FA3's split: one warp streams K and V, these warps compute
         gl.warp_specialize([
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
+            (_consume, (k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
                         turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from,
                         qk_scale, eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH,
                         BOUNDED, STATS, PINGPONG, 0)),
@@ -289,7 +289,7 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
     else:
         for i in gl.static_range(STAGES):
             _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, i, BLOCK_N, STAGES, i < n_tiles)
-        _consume(q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
+        _consume(k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
                  turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale,
                  eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED, STATS,
                  PINGPONG, 0)

@@ -139,6 +139,12 @@ def _pick_key(tuned, plain, args, meta: dict) -> PickKey | None:
     return TILE_PICKS.key(plain.__name__, candidates, T, args[0].dtype, meta)
 
 
+def _picked(tuned, plain, args, meta: dict) -> tuple[PickKey | None, triton.Config | None]:
+    """The launch's key in `TILE_PICKS` and the pick held for it (None where there is none)."""
+    key = _pick_key(tuned, plain, args, meta)
+    return key, (TILE_PICKS.get(key) if key is not None else None)
+
+
 def pin_tiles(state: list[dict]) -> None:
     """Launch the tiles of `state` (a `TILE_PICKS.state_dict()`, e.g. a checkpoint's) instead of autotuning; the
     launches this process has cached are forgotten so that the next ones take them."""
@@ -169,8 +175,9 @@ class _Launches:
                *(a if isinstance(a, int) else (a.dtype, a.data_ptr() % 16 == 0) for a in args if not isinstance(a, float)))
         hit = self.cache.get(key)
         if hit is None:
-            pick_key = _pick_key(tuned, plain, args, meta) if config is None else None
-            config = config or (TILE_PICKS.get(pick_key) if pick_key is not None else None)
+            pick_key = None
+            if config is None:
+                pick_key, config = _picked(tuned, plain, args, meta)
             if config is None:
                 compiled = tuned[grid](*args, **meta)
                 config = tuned.best_config
@@ -203,8 +210,8 @@ def _traced_launch(tuned, plain, grid, *args, config=None, **meta):
     """`_launch` through `wrap_triton`: under torch.compile the kernel becomes a node of the graph (inductor
     autotunes it over the same candidate tiles and launches it itself, unless `TILE_PICKS` holds a pick for it:
     then that tile, fixed); eagerly, a plain Triton launch."""
-    if config is None and (pick_key := _pick_key(tuned, plain, args, meta)) is not None:
-        config = TILE_PICKS.get(pick_key)
+    if config is None:
+        _, config = _picked(tuned, plain, args, meta)
     if config is None:
         wrap_triton(tuned)[grid](*args, **meta)
     else:
