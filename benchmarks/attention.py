@@ -22,6 +22,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stableflash import SFA, AttentionStats, flash_attention
+from stableflash.attention.triton import ops
 from stableflash.attention.triton.picks import TILE_PICKS
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
@@ -117,7 +118,9 @@ def main():
             "dtype": "bf16", "causal": True, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
             "flops": "fwd 4*B*H*T^2*D/2, fwd+bwd 3.5x",
             "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed",
-            "fwdbwd_tflops_cudagraph": "forward+backward replayed from a CUDA graph: device time, no host work"}
+            "fwdbwd_tflops_cudagraph": "forward+backward replayed from a CUDA graph: device time, no host work",
+            # on sm_90 our native forward is the Gluon kernel where `hopper.FORWARD_TILES` has a tile
+            "gluon_forward": ops.hopper is not None and ops.HOPPER_FORWARD and ops._is_hopper(torch.cuda.current_device())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # which tile the autotuner picked for each launch of our kernels (key: kernel, candidates, T, dtype, switches)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "tile_picks": TILE_PICKS.state_dict()}, indent=2))

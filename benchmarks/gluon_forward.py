@@ -1,27 +1,17 @@
-"""Study: a Hopper attention forward in Gluon that overlaps the softmax with the tensor cores (FA3's intra-warpgroup
-pipelining), against our Triton forward and cuDNN.
+"""Study: the Hopper forward in Gluon (`stableflash/attention/triton/hopper.py`, FA3's schedule: the softmax under the
+tensor cores' work), over launch tiles, against our Triton forward and cuDNN. Its measurements chose
+`hopper.FORWARD_TILES`, the tiles `ops.forward` launches on sm_90.
 
-Why (docs/kernel-notes.md): Triton 3.6 waits for every wgmma but a loop-carried accumulator's, and its warp
-specialisation makes no partitions on sm_90, so our forward's softmax never overlaps a matmul; cuDNN's does. Gluon
-exposes the pieces: asynchronous `warpgroup_mma`, `warpgroup_mma_wait(num_outstanding)`, TMA and mbarriers. Per
-key tile j this kernel issues S_{j+1} = Q K_{j+1}ᵀ, rescales O, issues P̄_j V_j, waits for S_{j+1} alone and runs
-its softmax while P̄_j V_j computes (FA3's order). (A first schedule ran tile j's softmax with S_{j+1} and
-P̄_{j-1}V_{j-1} in flight and waited for the older alone; ptxas serialised every wgmma of that kernel, which is why
-it measured no faster than our Triton forward: `offline.wgmma_serialization`.) K and V arrive by TMA
-through a ring of STAGES buffers, a tile's buffer refilled once its P̄V has completed: by the computing warps
-themselves, or (`loader_warp`, FA3's split) by a warp of their own through `gl.warp_specialize`, the computing warps
-releasing each buffer on an mbarrier. With `Tile(pingpong=True)` the 128 rows are two partitions of one warpgroup
-each, 240 registers apiece, that take turns to issue their matmuls through two mbarriers (FA3's inter-warpgroup
-schedule: one's softmax under the other's matmuls); compiled offline only so far (docs/kernel-notes.md).
+History (docs/kernel-notes.md): a first schedule ran tile j's softmax with S_{j+1} and P̄_{j-1}V_{j-1} in flight
+and waited for the older alone; ptxas serialised every wgmma of it (`offline.wgmma_serialization`), so it was no
+faster than Triton. FA3's order (issue S_{j+1}, rescale, issue P̄_jV_j, wait for S_{j+1} alone) gave 1.05x our
+forward at D = 64; pingpong (two warpgroups taking turns) 1.07x at D = 128.
 
-Native FA2 numerics, with or without SFA and the statistics (per 128-key tile, through the Triton kernels' own
-`_top2`, `_sfa_max` and `_stats_combine`); no emulation: the study asks how much faster the forward gets, and what
-SFA and the statistics cost in it. Scores are scaled by `mul.rn` before the maximum, as in our kernel
-(docs/kernel-notes.md: NaN at huge scores otherwise).
-Causal or not, any T (TMA zero-fills rows past T; columns past T are masked), head dims 64 and 128, bf16 and fp16;
-16-byte aligned rows (device-side descriptors, one per head).
+Every timed variant is first checked: the error against fp64 within twice that of the reference backend under the
+same numerics (`fa2`, SFA per 128-key tile), statistics equal to the reference's.
 
     python benchmarks/gluon_forward.py --out results/gluon-forward-h200.json     # on an H200: check, then time
+    python benchmarks/gluon_forward.py --sweep --only pingpong --shapes "4,16,4096,128"
 The kernel compiles for sm_90 on any machine (tests/attention/test_kernel_compile.py does, without a GPU).
 """
 
@@ -32,290 +22,19 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.extra import libdevice
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.attention.precision import resolve
-from stableflash.attention.triton import kernels
+from stableflash.attention.triton.hopper import Tile, _attn_fwd_hopper, constants, grid
 from stableflash.attention.triton.ops import ensure_scratch_allocator, tma_streamable
 from stableflash.attention.triton.spec import build_spec
 
 LOG2E = 1.4426950408889634
-_LOG2E = gl.constexpr(LOG2E)
-PINGPONG_REGS = gl.constexpr(240)  # registers per thread of the second computing warpgroup (the loader warp: 24)
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
-
-
-@gluon.jit
-def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, tile, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
-    """TMA loads of key tile `tile` (K and V) into buffer tile % STAGES, counted on that buffer's barrier."""
-    stage = tile % STAGES
-    bar = bars.index(stage)
-    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [tile * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [tile * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
-
-
-@gluon.jit
-def _softmax_step(s, m_i, l_i, repeated, ones, smax, j, rows, mask_from, T, qk_scale, eps_u,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, S_LAYOUT: gl.constexpr, DTYPE: gl.constexpr,
-                  STAB: gl.constexpr, BETA: gl.constexpr, LOW: gl.constexpr, HIGH: gl.constexpr,
-                  BOUNDED: gl.constexpr, STATS: gl.constexpr):
-    """Tile j's online-softmax update in base 2: returns P̄ in DTYPE, the rescale factor, the new m and l, and the
-    statistics per row. With SFA (STAB 1) the tile's maximum is shifted where the row repeats it within eps; with
-    STATS the rows with a repeated maximum, P̄ = 1 entries and the largest score are counted. Both as our Triton
-    kernel does them (its `_top2` pair reduction, `_sfa_max` and guarded P̄ = 1 count), per 128-key tile."""
-    s = libdevice.mul_rn(s, qk_scale)
-    if (j + 1) * BLOCK_N > mask_from:  # the diagonal (causal) or the ragged end: the only tiles that need a mask
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-        valid = cols[None, :] < T
-        if CAUSAL:
-            valid = valid & (rows[:, None] >= cols[None, :])
-        s = gl.where(valid, s, float("-inf"))
-    if STAB == 1 or STATS:
-        # neighbouring columns paired first (a pair's top two are its max and min): 3 min/max per score, not 4
-        a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
-        rm, r2 = gl.reduce((gl.maximum(a, b), gl.minimum(a, b)), 1, kernels._top2)
-        rows_layout: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)  # the same rows, named as the other row vectors
-        rm = gl.convert_layout(rm, rows_layout, assert_trivial=True)
-        r2 = gl.convert_layout(r2, rows_layout, assert_trivial=True)
-        near_row = (r2 >= rm - eps_u) & (rm > float("-inf"))
-        tile_max = rm
-        if STATS:
-            smax = gl.maximum(smax, gl.where(rm < float("inf"), rm, float("-inf")))
-            repeated = gl.maximum(repeated, near_row.to(gl.int32))
-        if STAB == 1:
-            rm = kernels._sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
-    else:
-        rm = gl.max(s, 1)
-    m_new = gl.maximum(m_i, rm)
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    p_op = p.to(DTYPE)
-    if STATS:  # per score only on tiles where some row's second largest score is near the shift (see kernels.py)
-        if gl.max((r2 >= m_new - 0.01).to(gl.int32), 0) > 0:
-            ones += gl.sum((p_op == 1.0).to(gl.int32), 1)
-        else:
-            ones += (gl.exp2(tile_max - m_new).to(DTYPE) == 1.0).to(gl.int32)
-    return p_op, alpha, m_new, l_i, repeated, ones, smax
-
-
-@gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The loader warp (LOADER_WARP): streams every key tile into the ring, each buffer once the consumers have
-    released it (a fresh barrier counts as released: the wait on the parity before its first phase passes)."""
-    for t in range(n_tiles):
-        mbarrier.wait(empty_bars.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, t, BLOCK_N, STAGES, True)
-
-
-@gluon.jit
-def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_bars, turn_bars,
-             O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale, eps_u,
-             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
-             LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
-             PINGPONG: gl.constexpr, WG: gl.constexpr):
-    """QKᵀ, the online softmax and P̄V over the key tiles for BLOCK_M rows from m0, then O and the log-sum-exp.
-    Without LOADER_WARP these warps also refill the ring; with it they release each buffer to the loader warp.
-    With PINGPONG two such warpgroups (WG 0 and 1, 64 rows each) take turns to issue their matmuls, so that one's
-    softmax runs while the other's matmuls keep the tensor cores busy (FA3's inter-warpgroup schedule)."""
-    dtype: gl.constexpr = q_smem.dtype
-    num_warps: gl.constexpr = gl.num_warps()
-    # one warpgroup per 64 rows; S tiles and O in wgmma accumulator layouts, P̄ as the register A operand of P̄V
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
-    repeated = gl.zeros([BLOCK_M], gl.int32, layout=row_layout)  # statistics, per row until the end
-    ones = gl.zeros([BLOCK_M], gl.int32, layout=row_layout)
-    smax = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(ready_bars.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
-        s, m_i, l_i, repeated, ones, smax, 0, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
-        dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
-    p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
-
-    for j in range(n_tiles - 1):
-        nxt = j + 1
-        mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
-        if PINGPONG:  # wait for this warpgroup's turn: the other's j-th issue (WG 0 goes first)
-            mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
-        s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
-        if PINGPONG:  # the other warpgroup may issue now, while this one waits for S_{j+1} and runs its softmax
-            mbarrier.arrive(turn_bars.index(1 - WG))
-        # issued S_{j+1}, then P̄_jV_j: one left outstanding is P̄_jV_j, which runs through tile j+1's softmax. Every
-        # wait retires groups issued since the last full wait: a partial wait across the loop's back edge made ptxas
-        # serialise every wgmma (C7514, docs/kernel-notes.md)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
-            s, m_i, l_i, repeated, ones, smax, nxt, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
-            dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
-        # P̄_j's registers are the running wgmma's operand: the wait names them so that nothing reuses them before
-        # (without it the softmax's values overwrote them: NaN on the GPU)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-        # P̄_jV_j done in this warpgroup; the barrier waits for the other's before buffer j % STAGES is refilled
-        # with tile j + STAGES (one thread issues the copy) or released to the loader warp
-        gl.thread_barrier()
-        if LOADER_WARP:
-            mbarrier.arrive(empty_bars.index(j % STAGES))
-        else:
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, j + STAGES, BLOCK_N, STAGES, j + STAGES < n_tiles)
-        p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
-
-    last = n_tiles - 1
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    o = acc / l_o[:, None]
-    o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = O + o_base + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :]
-    gl.store(o_ptrs, o.to(dtype), mask=o_rows[:, None] < T)
-    gl.store(LSE + bh.to(gl.int64) * T + rows, m_i + gl.log2(l_i), mask=rows < T)
-    if STATS:  # one reduction over the rows (padding rows left out), then relaxed atomics, as in kernels.py
-        row_ok = rows < T
-        n_repeated, n_ones, row_max = gl.reduce((gl.where(row_ok, repeated, 0), gl.where(row_ok, ones, 0),
-                                                 gl.where(row_ok, smax, float("-inf"))), 0, kernels._stats_combine)
-        gl.atomic_add(STAT_COUNTS + h * 2, n_repeated, sem="relaxed")
-        gl.atomic_add(STAT_COUNTS + h * 2 + 1, n_ones, sem="relaxed")
-        gl.atomic_max(STAT_MAX + h, row_max / _LOG2E, sem="relaxed")
-
-
-@gluon.jit
-def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
-                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-                     stride_ob, stride_oh, stride_ot, H, T, qk_scale, eps_u,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
-                     LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
-                     HEAVY_FIRST: gl.constexpr, PINGPONG: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                     KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
-    gl.static_assert(STAGES >= 3, "a buffer is refilled once its P̄V completes: three keep each load a tile ahead")
-    gl.static_assert(not PINGPONG or (LOADER_WARP and num_warps == 4 and BLOCK_M == 128),
-                     "pingpong: two warpgroups of 64 rows (the kernel's 4 warps and a worker's) and a loader warp")
-    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
-    ROWS: gl.constexpr = BLOCK_M // CONSUMERS  # query rows per computing partition
-    dtype: gl.constexpr = Q.dtype.element_ty
-    if HEAVY_FIRST:  # grid (heads, query tiles): each head's longest causal row block starts first, as in FA3
-        pid_m = gl.num_programs(1) - 1 - gl.program_id(1) if CAUSAL else gl.program_id(1)
-        bh = gl.program_id(0)
-    else:
-        pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [T, HEAD_DIM], [stride_qt, 1],
-                                        [ROWS, HEAD_DIM], Q_LAYOUT)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, [T, HEAD_DIM], [stride_kt, 1],
-                                        [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [T, HEAD_DIM], [stride_vt, 1],
-                                        [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], Q_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(q_bars.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=CONSUMERS)  # each computing partition releases each buffer
-    for i in gl.static_range(2):
-        mbarrier.init(turn_bars.index(i), count=1)
-
-    m0 = pid_m * BLOCK_M
-    if CAUSAL:
-        hi = gl.minimum(T, m0 + BLOCK_M)
-        mask_from = m0
-    else:
-        hi = T
-        mask_from = T
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0 + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
-    o_base = b * stride_ob + h * stride_oh
-    if PINGPONG:  # two computing warpgroups taking turns, and FA3's loader warp
-        gl.warp_specialize([
-            (_consume, (k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
-                        turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from,
-                        qk_scale, eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH,
-                        BOUNDED, STATS, PINGPONG, 0)),
-            (_consume, (k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), ready_bars, empty_bars,
-                        turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0 + ROWS, T, n_tiles,
-                        mask_from, qk_scale, eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA,
-                        LOW, HIGH, BOUNDED, STATS, PINGPONG, 1)),
-            (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles, BLOCK_N, STAGES))],
-            [4, 1], [PINGPONG_REGS, 24])
-    elif LOADER_WARP:  # FA3's split: one warp streams K and V, these warps compute
-        gl.warp_specialize([
-            (_consume, (k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
-                        turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from,
-                        qk_scale, eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH,
-                        BOUNDED, STATS, PINGPONG, 0)),
-            (_load_kv, (k_desc, v_desc, k_smem, v_smem, ready_bars, empty_bars, n_tiles, BLOCK_N, STAGES))],
-            [1], [24])
-    else:
-        for i in gl.static_range(STAGES):
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, i, BLOCK_N, STAGES, i < n_tiles)
-        _consume(k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
-                 turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale,
-                 eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED, STATS,
-                 PINGPONG, 0)
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.invalidate(q_bars.index(i))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready_bars.index(i))
-        mbarrier.invalidate(empty_bars.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(turn_bars.index(i))
-
-
-class Tile(NamedTuple):
-    """One launch shape: query rows and keys per tile, K/V ring buffers, warps (a warpgroup per 64 rows), whether
-    the grid runs each head's heaviest causal row block first, and pingpong (128 rows on two warpgroups of their
-    own taking turns, `warps` 4: the kernel's, plus a worker warpgroup and the loader warp)."""
-    block_m: int = 128
-    block_n: int = 128
-    stages: int = 3
-    warps: int = 8
-    heavy_first: bool = False
-    pingpong: bool = False
-
-    def __str__(self):
-        return (f"{self.block_m}x{self.block_n}/{self.stages}st/{self.warps}w{'/heavy' if self.heavy_first else ''}"
-                f"{'/pingpong' if self.pingpong else ''}")
 
 
 def tile_for(head_dim: int) -> Tile:
@@ -340,32 +59,21 @@ SWEEP_TILES = {
 SWEEP_CHECK_SHAPES = {64: [(2, 3, 77, 64), (1, 4, 513, 64)], 128: [(1, 3, 333, 128), (2, 2, 1000, 128)]}
 
 
-def layouts(head_dim: int, dtype, block_m: int, block_n: int):
-    gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdtype),
-            gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype))
-
-
-def softmax_constants(stabilize, stats_eps: float | None, dtype, T: int) -> dict:
-    """SFA's compile-time constants, whether to count statistics, and eps in base 2 (SFA's, else the statistics'),
-    as our Triton kernel gets them."""
+def softmax_constants(stabilize, stats_eps: float | None, dtype, T: int) -> tuple[dict, float]:
+    """SFA's compile-time constants and whether to count statistics, as our Triton kernel gets them, and eps in base 2
+    (SFA's, else the statistics')."""
     spec = build_spec(resolve("fa2"), stabilize, dtype, T)
     eps_u = spec.eps if stabilize is not None else (stats_eps or 0.0) * LOG2E
-    return dict(STAB=spec.stab, BETA=spec.beta, LOW=spec.low, HIGH=spec.high, BOUNDED=spec.bounded,
-                STATS=stats_eps is not None, eps_u=eps_u)
+    return dict(stab=spec.stab, beta=spec.beta, low=spec.low, high=spec.high, bounded=spec.bounded,
+                stats=stats_eps is not None), eps_u
 
 
 def launch_constants(head_dim: int, dtype, T: int, causal: bool, loader_warp: bool = False, stabilize=None,
                      stats_eps=None, tile: Tile | None = None) -> tuple[dict, float]:
     """The kernel's compile-time arguments (tile, layouts, switches, warps) and its runtime eps, base 2."""
     tile = tile or tile_for(head_dim)
-    rows = tile.block_m // 2 if tile.pingpong else tile.block_m  # per computing warpgroup pair or group
-    q_layout, kv_layout = layouts(head_dim, dtype, rows, tile.block_n)
-    softmax = softmax_constants(stabilize, stats_eps, dtype, T)
-    eps_u = softmax.pop("eps_u")
-    return dict(HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.stages, CAUSAL=causal,
-                LOADER_WARP=loader_warp or tile.pingpong, **softmax, HEAVY_FIRST=tile.heavy_first,
-                PINGPONG=tile.pingpong, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, num_warps=tile.warps), eps_u
+    softmax, eps_u = softmax_constants(stabilize, stats_eps, dtype, T)
+    return {**constants(head_dim, dtype, causal, tile, **softmax, loader_warp=loader_warp), "num_warps": tile.warps}, eps_u
 
 
 def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stabilize=None, stats_eps=None,
@@ -380,15 +88,14 @@ def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stab
     if not tma_streamable(q, k, v):
         raise ValueError("q, k, v: the Gluon study loads rows by TMA: 16-byte aligned bases and row strides needed")
     ensure_scratch_allocator()  # device-side descriptors
-    constants, eps_u = launch_constants(D, q.dtype, T, causal, loader_warp, stabilize, stats_eps, tile)
+    tile = tile or tile_for(D)
+    consts, eps_u = launch_constants(D, q.dtype, T, causal, loader_warp, stabilize, stats_eps, tile)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     counts = torch.zeros(H, 2, device=q.device, dtype=torch.int32)
     smax = torch.full((H,), float("-inf"), device=q.device, dtype=torch.float32)
-    row_blocks = triton.cdiv(T, constants["BLOCK_M"])
-    grid = (B * H, row_blocks) if constants["HEAVY_FIRST"] else (row_blocks, B * H)
-    _attn_fwd_hopper[grid](q, k, v, out, lse, counts, smax, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                           *out.stride()[:3], H, T, scale * LOG2E, eps_u, **constants)
+    _attn_fwd_hopper[grid(B * H, T, tile)](q, k, v, out, lse, counts, smax, *q.stride()[:3], *k.stride()[:3],
+                                           *v.stride()[:3], *out.stride()[:3], H, T, scale * LOG2E, eps_u, **consts)
     return out, lse, counts, smax
 
 

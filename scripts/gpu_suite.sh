@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores;
 # with the D = 128 TMA candidates the suite took 378 s on 6 workers, 268 s before).
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon|gluon-sweep|pingpong]...
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon|gluon-sweep|pingpong|gluon-ab]...
 #   (default: tests bench)
 # lab: the call-path layers at three shapes (benchmarks/attention_tiles.py)
 # variants: the kernels' study switches against the kernels as they ship (benchmarks/kernel_switches.py)
@@ -11,6 +11,7 @@
 # gluon: the Gluon forward study, checked then timed against our forward and cuDNN (benchmarks/gluon_forward.py)
 # gluon-sweep: the same kernel over launch tiles (CTAs per SM, heaviest row blocks first), each checked then timed
 # pingpong: the sweep's pingpong tiles alone (two warpgroups taking turns), at the two 4096-token shapes
+# gluon-ab: our kernels' benchmark with the Gluon forward (as shipped on sm_90) and without (STABLEFLASH_GLUON=0)
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -54,6 +55,15 @@ for part in $parts; do
                    | tee "$out/gluon-sweep.log" ;;
     pingpong) timeout 300 python3 benchmarks/gluon_forward.py --sweep --only pingpong --shapes "4,12,4096,64;4,16,4096,128" \
                 --out "$out/gluon-pingpong-h200.json" 2>&1 | grep -v Warning | tee "$out/gluon-pingpong.log" ;;
+    # our kernels with the Gluon forward on sm_90 (as they ship) against the Triton forward (STABLEFLASH_GLUON=0),
+    # interleaved, cuDNN in each process as the named baseline
+    gluon-ab) mkdir -p "$out/gluon-ab"
+              for gluon in 1 0; do
+                STABLEFLASH_GLUON=$gluon python3 benchmarks/attention.py \
+                  --impls stableflash,stableflash-sfa,stableflash-sfa-stats,sdpa-cudnn --out "$out/gluon-ab/gluon$gluon.json" \
+                  2>&1 | grep -v Warning > "$out/gluon-ab/gluon$gluon.log"
+              done
+              tail -n 12 "$out"/gluon-ab/*.log ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

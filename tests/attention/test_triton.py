@@ -13,7 +13,7 @@ import torch
 
 from stableflash import SFA, AttentionStats, ClampPbar, flash_attention
 from stableflash.attention.precision import resolve
-from stableflash.attention.triton.spec import EMULATED_VARIANTS, emulated_variant
+from stableflash.attention.triton.spec import EMULATED_VARIANTS, build_spec, emulated_variant
 from stableflash.numerics.formats import get_format
 from tests.attention.conftest import rel_err, tied_inputs
 
@@ -313,10 +313,58 @@ def test_head_dim_128_tunes_the_load_path_and_misaligned_heads_keep_pointers():
         ops._launches.cache.clear()
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         results.append(_run(functools.partial(_attention, precision="fa2"), q, k, v, dout))
-        tiles = [tile for _, tile, _ in ops._launches.cache.values()]
-        assert len(tiles) == 3 and all(("TMA" in tile) == (q.data_ptr() % 16 == 0) for tile in tiles)
+        tiles = {key[0].__name__: tile for key, (_, tile, _) in ops._launches.cache.items()}
+        aligned_heads = q.data_ptr() % 16 == 0
+        # on sm_90 aligned heads run the Gluon forward (TMA only), which the autotuner does not tile
+        spec = build_spec(resolve("fa2"), None, torch.bfloat16, T)
+        gluon = aligned_heads and ops._hopper_tile(spec, q, k, v, False, False, ops._launch) is not None
+        assert ("_attn_fwd_hopper" in tiles) == gluon
+        triton_tiles = [tile for name, tile in tiles.items() if name != "_attn_fwd_hopper"]
+        assert len(triton_tiles) == 3 - gluon and all(("TMA" in tile) == aligned_heads for tile in triton_tiles)
     for name, a, b in zip(["out", "dq", "dk", "dv"], *results):
         assert torch.isfinite(b).all() and rel_err(b.float().cpu(), a.float().cpu()) < 1e-2, name
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Gluon forward runs on sm_90 GPUs only")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gluon_forward_on_hopper_matches_the_reference_at_its_tiles(D, causal, monkeypatch):
+    """On sm_90 the native forward is the Gluon kernel where `hopper.FORWARD_TILES` has a tile (`fa2` plain at D = 64
+    and 128, SFA and the statistics at 128): outputs and gradients (the Triton backward reads its log-sum-exp) within
+    twice the reference's error against fp64, and the statistics equal to the reference's, whose `fa2` tiles are
+    128x128 as the Gluon kernel's at D = 128 (SFA's shift and the counts are per key tile). Keys 3 and 5 are one large
+    key, so most rows repeat their maximum. The Triton forward (STABLEFLASH_GLUON=0) agrees within rounding."""
+    from stableflash.attention.triton import ops
+
+    if ops.hopper is None or not ops._is_hopper(torch.cuda.current_device()):
+        pytest.skip("the Gluon forward runs on sm_90 GPUs only")
+    q, k, v = _inputs((2, 3, 333, D))
+    with torch.no_grad():
+        k[:, :, 3] = k[:, :, 5] = 4 * q.mean(dim=2)
+    dout = torch.randn_like(q)
+    for stabilize, stats in ((None, None), (SFA(), AttentionStats(3, eps=SFA().eps))):
+        spec = build_spec(resolve("fa2"), stabilize, torch.bfloat16, 333)
+        gluon = ops.hopper_forward_tile(spec, D, stats is not None) is not None
+        assert gluon or (D == 64 and stabilize is not None)  # the table as measured: SFA at D = 64 stays in Triton
+        ops._launches.cache.clear()
+        ours = _run(functools.partial(_attention, causal=causal, stabilize=stabilize, stats=stats), q, k, v, dout)
+        assert any(key[0].__name__ == "_attn_fwd_hopper" for key in ops._launches.cache) == gluon
+        ref_stats = AttentionStats(3, eps=stats.eps) if stats else None
+        ref = _run(functools.partial(flash_attention, causal=causal, precision="fa2", stabilize=stabilize,
+                                     backend="reference", stats=ref_stats), q, k, v, dout)
+        exact_fn, leaves = _fp64(q, k, v, causal)
+        exact = _run(exact_fn, *leaves, dout.cpu().double())
+        for name, a, b, c in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+            _assert_within_twice_the_reference(name, a, b, c, torch.bfloat16)
+        if stats is not None and gluon:  # at the reference's tiles: the same rows, P̄ = 1 entries and maxima
+            assert stats.repeated_max_rows.tolist() == ref_stats.repeated_max_rows.tolist()
+            assert stats.pbar_ones.tolist() == ref_stats.pbar_ones.tolist() and stats.pbar_ones.sum() > 0
+            assert torch.allclose(stats.max_score.cpu(), ref_stats.max_score.cpu(), rtol=1e-2)
+        monkeypatch.setattr(ops, "HOPPER_FORWARD", False)
+        triton_forward = _run(functools.partial(_attention, causal=causal, stabilize=stabilize), q, k, v, dout)
+        monkeypatch.setattr(ops, "HOPPER_FORWARD", True)
+        for name, a, b in zip(["out", "dq", "dk", "dv"], ours, triton_forward):
+            assert rel_err(a.float().cpu(), b.float().cpu()) < 1e-2, name
 
 
 @pytest.mark.parametrize("precision", ["fa2", "paper"])

@@ -25,6 +25,11 @@ from stableflash.attention.triton import kernels
 from stableflash.attention.triton.picks import TILE_PICKS, PickKey
 from stableflash.attention.triton.spec import INTERPRET, LOG2E, PHYSICAL_TILE, KernelSpec
 
+try:  # Gluon, Triton's lower-level language (3.5 and later): the native forward on Hopper
+    from stableflash.attention.triton import hopper
+except ImportError:
+    hopper = None
+
 _SPECS: dict[str, KernelSpec] = {}
 
 
@@ -94,6 +99,10 @@ _dq_either = _tuned(kernels._attn_bwd_dq, _either_load(_DQ_CONFIGS))
 TMA_MIN_HEAD_DIM = 128
 AUTOTUNE_TMA = os.environ.get("STABLEFLASH_TMA", "1") != "0"
 """STABLEFLASH_TMA=0: pointer loads everywhere (to compare, or to rule TMA out when something looks wrong)."""
+
+
+HOPPER_FORWARD = os.environ.get("STABLEFLASH_GLUON", "1") != "0"
+"""STABLEFLASH_GLUON=0: the Triton forward on Hopper too (to compare, or to rule the Gluon forward out)."""
 
 
 def _address(t: torch.Tensor) -> int:
@@ -277,6 +286,30 @@ def _choose_load_path(meta: dict, spec: KernelSpec, head_dim: int, pinned: bool,
     return either
 
 
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def hopper_forward_tile(spec: KernelSpec, head_dim: int, stats: bool) -> hopper.Tile | None:
+    """The Gluon forward's tile for these numerics (`hopper.FORWARD_TILES`), or None for the Triton forward: the
+    Gluon kernel runs production FA2 numerics, plain or SFA, with or without the statistics."""
+    if hopper is None or spec.emu or spec.save_fp32_o or spec.stab not in (0, 1):
+        return None
+    return hopper.FORWARD_TILES.get((head_dim, spec.stab == 1 or stats))
+
+
+def _hopper_tile(spec: KernelSpec, q, k, v, stats: bool, pinned: bool, launch) -> hopper.Tile | None:
+    """`hopper_forward_tile` where this launch can take it: on sm_90, with TMA-streamable rows, launched eagerly or
+    from the opaque op (inductor launches only Triton kernels), where the caller pins no tile or study switch."""
+    if not HOPPER_FORWARD or INTERPRET or pinned or launch is not _launch or not q.is_cuda:
+        return None
+    tile = hopper_forward_tile(spec, q.shape[-1], stats)
+    if tile is None or spec.out_dtype != q.dtype or not _is_hopper(q.device.index) or not tma_streamable(q, k, v):
+        return None
+    return tile
+
+
 def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An empty (B, H, T, D) tensor in `t`'s memory order: (B, T, H, D) when `t` is a model's heads viewed out of
     its (B, T, H·D) activations (the model's transpose back is then free, as with SDPA), else contiguous."""
@@ -292,14 +325,17 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
 
     lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
     Without `stats` the two counters are empty. `variants`: the forward kernel's study switches (`TMA`;
-    benchmarks/kernel_switches.py), with a fixed `tile`. Without either, at D >= 128 the autotuner also chooses
-    between pointer and TMA loads (`_tma_candidate`).
+    benchmarks/kernel_switches.py), with a fixed `tile`. Without either, on sm_90 the Gluon forward runs where
+    `_hopper_tile` has a tile; elsewhere, at D >= 128, the autotuner also chooses between pointer and TMA loads
+    (`_tma_candidate`).
     """
     spec, meta, *_ = _meta(key)
     meta = {**meta, **variants}
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
-    either = _choose_load_path(meta, spec, D, tile is not None or bool(variants), k, v)
+    pinned = tile is not None or bool(variants)
+    hopper_tile = _hopper_tile(spec, q, k, v, stats, pinned, launch)
+    either = hopper_tile is None and _choose_load_path(meta, spec, D, pinned, k, v)
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else out.new_empty(0)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -311,6 +347,14 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
         smax = torch.empty(0, dtype=torch.float32, device=q.device)
     units = 1.0 if spec.emu else LOG2E
     eps_u = spec.eps if spec.stab == 1 else stats_eps * units
+    if hopper_tile is not None:
+        ensure_scratch_allocator()  # device-side descriptors
+        constants = hopper.constants(D, q.dtype, causal, hopper_tile, stab=spec.stab, beta=spec.beta, low=spec.low,
+                                     high=spec.high, bounded=spec.bounded, stats=stats)
+        launch(None, hopper._attn_fwd_hopper, lambda _: hopper.grid(B * H, T, hopper_tile), q, k, v, out, lse, counts,
+               smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u,
+               **constants, config=triton.Config({}, num_warps=hopper_tile.warps))
+        return out, o_saved, lse, counts, smax
 
     def grid(m):  # (heads, query tiles) for SFA's native kernel (see `_meta`), else (query tiles, heads)
         tiles = triton.cdiv(T, m["BLOCK_M"])
