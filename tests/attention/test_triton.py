@@ -316,7 +316,7 @@ def test_head_dim_128_tunes_the_load_path_and_misaligned_heads_keep_pointers():
         tiles = {key[0].__name__: tile for key, (_, tile, _) in ops._launches.cache.items()}
         aligned_heads = q.data_ptr() % 16 == 0
         # on sm_90 aligned heads run the Gluon forward (TMA only), which the autotuner does not tile
-        spec = build_spec(resolve("fa2"), None, torch.bfloat16, T)
+        spec = build_spec(resolve("fa2"), None, torch.bfloat16, T)  # (T = 333: the table keeps the Triton forward)
         gluon = aligned_heads and ops._hopper_tile(spec, q, k, v, False, False, ops._launch) is not None
         assert ("_attn_fwd_hopper" in tiles) == gluon
         triton_tiles = [tile for name, tile in tiles.items() if name != "_attn_fwd_hopper"]
@@ -330,21 +330,24 @@ def test_head_dim_128_tunes_the_load_path_and_misaligned_heads_keep_pointers():
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_forward_on_hopper_matches_the_reference_at_its_tiles(D, causal, monkeypatch):
     """On sm_90 the native forward is the Gluon kernel where `hopper.FORWARD_TILES` has a tile (`fa2` plain at D = 64
-    and 128, SFA and the statistics at 128): outputs and gradients (the Triton backward reads its log-sum-exp) within
-    twice the reference's error against fp64, and the statistics equal to the reference's, whose `fa2` tiles are
-    128x128 as the Gluon kernel's at D = 128 (SFA's shift and the counts are per key tile). Keys 3 and 5 are one large
-    key, so most rows repeat their maximum. The Triton forward (STABLEFLASH_GLUON=0) agrees within rounding."""
-    from stableflash.attention.triton import ops
+    and 128, SFA and the statistics at 128), here from any length (the table's lengths are where it measured faster):
+    outputs and gradients (the Triton backward reads its log-sum-exp) within twice the reference's error against
+    fp64, and the statistics equal to the reference's, whose `fa2` tiles are 128x128 as the Gluon kernel's at D = 128
+    (SFA's shift and the counts are per key tile). Keys 3 and 5 are one large key, so most rows repeat their
+    maximum. The Triton forward (STABLEFLASH_GLUON=0) agrees within rounding."""
+    from stableflash.attention.triton import hopper, ops
 
     if ops.hopper is None or not ops._is_hopper(torch.cuda.current_device()):
         pytest.skip("the Gluon forward runs on sm_90 GPUs only")
+    monkeypatch.setattr(hopper, "FORWARD_TILES", {key: choice and choice._replace(min_seq_len=1)
+                                                  for key, choice in hopper.FORWARD_TILES.items()})
     q, k, v = _inputs((2, 3, 333, D))
     with torch.no_grad():
         k[:, :, 3] = k[:, :, 5] = 4 * q.mean(dim=2)
     dout = torch.randn_like(q)
     for stabilize, stats in ((None, None), (SFA(), AttentionStats(3, eps=SFA().eps))):
         spec = build_spec(resolve("fa2"), stabilize, torch.bfloat16, 333)
-        gluon = ops.hopper_forward_tile(spec, D, stats is not None) is not None
+        gluon = ops.hopper_forward_tile(spec, D, stats is not None, 333) is not None
         assert gluon or (D == 64 and stabilize is not None)  # the table as measured: SFA at D = 64 stays in Triton
         ops._launches.cache.clear()
         ours = _run(functools.partial(_attention, causal=causal, stabilize=stabilize, stats=stats), q, k, v, dout)

@@ -299,16 +299,22 @@ class Tile(NamedTuple):
                 f"{'/pingpong' if self.pingpong else ''}")
 
 
-# The tiles `ops.forward` launches on sm_90, by head dim and whether the softmax does SFA's or the statistics' work;
-# None keeps the Triton forward. Forward TFLOP/s from a CUDA graph against our Triton forward, causal bf16
-# (benchmarks/gluon_forward.py --sweep; results/kernel-variants/gluon-*): at D = 128 pingpong gave 1.07x plain and
-# 1.14x with SFA + statistics at (4,16,4096,128); at D = 64 FA3's order on 8 warps gave 1.05x plain at
-# (4,12,4096,64) but 0.94x with SFA + statistics, and pingpong 0.95x / 0.91x.
-FORWARD_TILES: dict[tuple[int, bool], Tile | None] = {
-    (64, False): Tile(128, 64, 4, 8, heavy_first=True),
+class Choice(NamedTuple):
+    """Where `ops.forward` launches the Gluon forward: its tile, from this sequence length on."""
+    tile: Tile
+    min_seq_len: int
+
+
+# By head dim and whether the softmax does SFA's or the statistics' work; None keeps the Triton forward. Forward
+# TFLOP/s from a CUDA graph against our Triton forward, causal bf16 (benchmarks/gluon_forward.py --sweep,
+# results/kernel-variants/gluon-*; RESULTS.md): D = 128 pingpong: plain 0.98x / 0.99x / 1.07x at T = 1024 / 2048 /
+# 4096 (1.16x at 16384 in the benchmark), SFA + statistics 1.06x / 1.02x / 1.14x; D = 64, FA3's order on 8 warps:
+# plain 0.98x / 0.99x / 1.05x, SFA + statistics 0.85x / 0.90x / 0.94x. From T = 4096 where only that was measured.
+FORWARD_TILES: dict[tuple[int, bool], Choice | None] = {
+    (64, False): Choice(Tile(128, 64, 4, 8, heavy_first=True), 4096),
     (64, True): None,
-    (128, False): Tile(128, 128, 3, 4, heavy_first=True, pingpong=True),
-    (128, True): Tile(128, 128, 3, 4, heavy_first=True, pingpong=True),
+    (128, False): Choice(Tile(128, 128, 3, 4, heavy_first=True, pingpong=True), 4096),
+    (128, True): Choice(Tile(128, 128, 3, 4, heavy_first=True, pingpong=True), 1),
 }
 
 

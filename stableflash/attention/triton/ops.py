@@ -291,12 +291,13 @@ def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def hopper_forward_tile(spec: KernelSpec, head_dim: int, stats: bool) -> hopper.Tile | None:
-    """The Gluon forward's tile for these numerics (`hopper.FORWARD_TILES`), or None for the Triton forward: the
-    Gluon kernel runs production FA2 numerics, plain or SFA, with or without the statistics."""
+def hopper_forward_tile(spec: KernelSpec, head_dim: int, stats: bool, seq_len: int) -> hopper.Tile | None:
+    """The Gluon forward's tile for these numerics and length (`hopper.FORWARD_TILES`), or None for the Triton
+    forward: the Gluon kernel runs production FA2 numerics, plain or SFA, with or without the statistics."""
     if hopper is None or spec.emu or spec.save_fp32_o or spec.stab not in (0, 1):
         return None
-    return hopper.FORWARD_TILES.get((head_dim, spec.stab == 1 or stats))
+    choice = hopper.FORWARD_TILES.get((head_dim, spec.stab == 1 or stats))
+    return choice.tile if choice is not None and seq_len >= choice.min_seq_len else None
 
 
 def _hopper_tile(spec: KernelSpec, q, k, v, stats: bool, pinned: bool, launch) -> hopper.Tile | None:
@@ -304,7 +305,7 @@ def _hopper_tile(spec: KernelSpec, q, k, v, stats: bool, pinned: bool, launch) -
     from the opaque op (inductor launches only Triton kernels), where the caller pins no tile or study switch."""
     if not HOPPER_FORWARD or INTERPRET or pinned or launch is not _launch or not q.is_cuda:
         return None
-    tile = hopper_forward_tile(spec, q.shape[-1], stats)
+    tile = hopper_forward_tile(spec, q.shape[-1], stats, q.shape[-2])
     if tile is None or spec.out_dtype != q.dtype or not _is_hopper(q.device.index) or not tma_streamable(q, k, v):
         return None
     return tile
