@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.attention.precision import resolve
+from stableflash.attention.triton import ops
 from stableflash.attention.triton.hopper import Tile, _attn_fwd_hopper, constants, grid
 from stableflash.attention.triton.ops import ensure_scratch_allocator, tma_streamable
 from stableflash.attention.triton.spec import build_spec
@@ -216,6 +217,10 @@ def main():
             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
             "timing": "do_bench_cudagraph median, forward only, causal bf16", "flops": "4*B*H*T^2*D/2"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    # the baselines named "triton" must be the Triton forward: `flash_attention` would launch the Gluon kernel on
+    # sm_90 where `hopper.FORWARD_TILES` says (at 693ebc9 it did, and the short-T sweep timed the kernel against
+    # itself); this study launches its Gluon variants directly
+    ops.HOPPER_FORWARD = False
     if args.sweep:
         sweep(shapes, args.out, meta, args.only)
         return

@@ -217,8 +217,8 @@ def test_ops_choose_the_gluon_forward_for_production_numerics_only():
     assert tile() == table[128, False].tile and tile(stabilize=SFA()) == table[128, True].tile
     assert tile(head_dim=64) == table[64, False].tile and table[64, True] is None
     assert tile(head_dim=64, stabilize=SFA()) is None and tile(head_dim=64, stats=True) is None
-    # plain rows shorter than 4096 measured no faster (0.98-0.99x); SFA and the statistics at D = 128 did from 1024
-    assert tile(T=2048) is None and tile(head_dim=64, T=2048) is None and tile(stabilize=SFA(), T=1024) is not None
+    # measured faster from T = 4096; at (16,12,1024,64) slower, elsewhere below 4096 not compared in one run
+    assert tile(T=2048) is None and tile(head_dim=64, T=2048) is None and tile(stabilize=SFA(), T=2048) is None
     assert tile(head_dim=32) is None and tile(head_dim=16) is None
     assert tile("paper") is None and tile("bf16") is None and tile(stabilize=ClampPbar()) is None
     assert tile(resolve("fa2").with_o_fp32()) is None

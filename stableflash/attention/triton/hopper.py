@@ -306,15 +306,16 @@ class Choice(NamedTuple):
 
 
 # By head dim and whether the softmax does SFA's or the statistics' work; None keeps the Triton forward. Forward
-# TFLOP/s from a CUDA graph against our Triton forward, causal bf16 (benchmarks/gluon_forward.py --sweep,
-# results/kernel-variants/gluon-*; RESULTS.md): D = 128 pingpong: plain 0.98x / 0.99x / 1.07x at T = 1024 / 2048 /
-# 4096 (1.16x at 16384 in the benchmark), SFA + statistics 1.06x / 1.02x / 1.14x; D = 64, FA3's order on 8 warps:
-# plain 0.98x / 0.99x / 1.05x, SFA + statistics 0.85x / 0.90x / 0.94x. From T = 4096 where only that was measured.
+# TFLOP/s from a CUDA graph, causal bf16, against our Triton forward in the same run (benchmarks/gluon_forward.py
+# --sweep; results/kernel-variants/gluon-*, RESULTS.md) at T = 4096: D = 128 pingpong 1.07x plain, 1.14x with SFA +
+# statistics; D = 64 FA3's order on 8 warps 1.05x plain, 0.94x with SFA + statistics. Across two benchmark runs
+# (7a1def2 and 693ebc9, cuDNN within 2% in both): +16% plain at (1,16,16384,128), but -14% at (16,12,1024,64).
+# Below 4096 no same-run comparison exists, so the Triton forward stays there.
 FORWARD_TILES: dict[tuple[int, bool], Choice | None] = {
     (64, False): Choice(Tile(128, 64, 4, 8, heavy_first=True), 4096),
     (64, True): None,
     (128, False): Choice(Tile(128, 128, 3, 4, heavy_first=True, pingpong=True), 4096),
-    (128, True): Choice(Tile(128, 128, 3, 4, heavy_first=True, pingpong=True), 1),
+    (128, True): Choice(Tile(128, 128, 3, 4, heavy_first=True, pingpong=True), 4096),
 }
 
 
