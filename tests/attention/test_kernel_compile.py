@@ -130,9 +130,10 @@ def test_tma_streamable_needs_16_byte_aligned_rows():
     assert not ops.tma_streamable(odd_rows)
 
 
-def _gluon_study():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gluon_forward.py"
-    spec = importlib.util.spec_from_file_location("gluon_forward", path)
+def _study(name: str):
+    """A study script of benchmarks/ as a module."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -151,7 +152,7 @@ def test_gluon_forward_study_keeps_wgmmas_in_flight_across_the_softmax(head_dim,
     (docs/kernel-notes.md). A partial wait across the loop's back edge made ptxas serialise them all (C7514)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    study = _gluon_study()
+    study = _study("gluon_forward")
     tile = study.Tile(*tile) if tile else study.tile_for(head_dim)
     consts, _ = study.launch_constants(head_dim, torch.bfloat16, 4096, causal, loader_warp, SFA() if sfa else None,
                                        1e-3 if stats else None, tile)
@@ -222,3 +223,25 @@ def test_ops_choose_the_gluon_forward_for_production_numerics_only():
     assert tile(head_dim=32) is None and tile(head_dim=16) is None
     assert tile("paper") is None and tile("bf16") is None and tile(stabilize=ClampPbar()) is None
     assert tile(resolve("fa2").with_o_fp32()) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_backward_study_keeps_its_wgmmas_asynchronous(causal):
+    """The Gluon dK/dV study (benchmarks/gluon_backward.py) compiles for sm_90 at every tile it times: per query
+    tile it issues Sᵀ and dPᵀ, waits for Sᵀ alone, issues dV's matmul, waits for dPᵀ alone, issues dK's, then one full
+    wait; ptxas keeps the wgmmas asynchronous; within the H200's shared memory (spills are reported on the GPU run:
+    D = 128 at 64 queries per tile needs all 255 registers)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    study = _study("gluon_backward")
+    for head_dim, tiles in study.TILES.items():
+        for tile in tiles:
+            consts = study.launch_constants(head_dim, torch.bfloat16, causal, tile)
+            compiled = compile_function(study._attn_bwd_dkdv_hopper, consts, {"num_warps": tile.warps},
+                                        source_type=GluonASTSource)
+            ptx = compiled.asm["ptx"]
+            assert offline.wgmma_serialization(compiled) is None, (head_dim, str(tile))
+            assert ptx.count("wgmma.commit_group") == 4
+            assert sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)) == ["0", "1", "1"]
+            assert resource_usage(compiled)["shared_bytes"] <= 232_448
