@@ -1,22 +1,26 @@
-"""Study: the dK/dV half of the backward in Gluon, its matmuls overlapped with the elementwise work between them,
-against our Triton dK/dV kernel and cuDNN's backward.
+"""Study: the backward in Gluon, its matmuls overlapped with the elementwise work between them, against our Triton
+backward and cuDNN's.
 
 Why (docs/kernel-notes.md): the backward is ~70% of forward+backward and runs at 0.74-0.80x cuDNN's; Triton 3.6
-waits for every wgmma but a loop-carried accumulator's, so in our dK/dV kernel Pᵀ's exponentials wait for
-dPᵀ = V dOᵀ to finish although they need only Sᵀ = K Qᵀ. Per query tile j this kernel issues Sᵀ_j and dPᵀ_j, waits
-for Sᵀ_j alone and computes Pᵀ_j while dPᵀ_j runs, issues dV += Pᵀ_j dO_j, waits for dPᵀ_j alone and computes
-dSᵀ_j = Pᵀ_j (dPᵀ_j - δ) while dV's matmul runs, issues dK += dSᵀ_j Q_j, and retires everything before the next
-tile (one full wait per iteration: a partial wait across the loop's back edge made ptxas serialise every wgmma of
-the forward study, C7514). K and V stay in shared memory; Q and dO tiles arrive by TMA through a ring of STAGES
-buffers, refilled once a tile's matmuls are done. Each program owns BLOCK_N keys on BLOCK_N / 16 warps.
+waits for every wgmma but a loop-carried accumulator's, so in our kernels P's exponentials wait for dP = dO Vᵀ to
+finish although they need only S. The same two kernels as ours (`kernels._attn_bwd_dq`, which also stores δ, then
+`kernels._attn_bwd_dkdv`), each owning a block of rows and streaming the other's tiles past them by TMA through a
+ring of buffers:
+- dK/dV, per query tile: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together; Pᵀ computed while dPᵀ runs; dV += Pᵀ dO
+  issued; dSᵀ = Pᵀ (dPᵀ - δ) computed while it runs; dK += dSᵀ Q issued; one full wait.
+- dQ, per key tile: S and dP issued together, P computed while dP runs, dQ += dS K, one full wait.
+- `Tile(pipelined=True)`: the next tile's S and dP are issued with this tile's accumulating matmuls and waited for
+  in the same iteration (FA3's order, as in the forward; a partial wait across the loop's back edge made ptxas
+  serialise every wgmma of the forward study, C7514), so that the next tile's P and dS run under them.
 
-Native FA2 numerics as `kernels._attn_bwd_dkdv` computes them: Pᵀ = exp2(min(Sᵀ·scale·log2e - lse, 0)) from the
-forward's base-2 log-sum-exp (rows with no visible key, lse = -inf, give P = 0), dSᵀ = Pᵀ (dPᵀ - δ) with δ =
-rowsum(dO ∘ O) in fp32 (the dQ kernel's), dK scaled once at the end. Causal or not, any T, head dims 64 and 128,
-bf16 and fp16, 16-byte aligned rows. Not wired into `ops` (a study, as the forward was first).
+Native FA2 numerics as the Triton kernels compute them: P = exp2(min(S·scale·log2e - lse, 0)) from the forward's
+base-2 log-sum-exp (rows with no visible key, lse = -inf, give P = 0), dS = P (dP - δ) with δ = rowsum(dO ∘ O) in
+fp32, dQ and dK scaled once at the end. Causal or not, any T, head dims 64 and 128, bf16 and fp16, 16-byte aligned
+rows. Every tile is checked (each gradient within twice the reference `fa2` backward's error against fp64) before
+it is timed. Not wired into `ops` (a study, as the forward was first).
 
     python benchmarks/gluon_backward.py --out results/gluon-backward-h200.json     # on an H200: check, then time
-The kernel compiles for sm_90 on any machine (tests/attention/test_kernel_compile.py does, without a GPU).
+The kernels compile for sm_90 on any machine (tests/attention/test_kernel_compile.py does, without a GPU).
 """
 
 from __future__ import annotations
@@ -44,13 +48,43 @@ SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 163
 
 
 @gluon.jit
-def _issue_q_do(q_desc, do_desc, q_smem, do_smem, bars, start_m, i, STAGES: gl.constexpr, pred):
-    """TMA loads of the query tile from row `start_m` (Q and dO) into buffer i % STAGES, counted on its barrier."""
+def _issue_rows(a_desc, b_desc, a_smem, b_smem, bars, start, i, STAGES: gl.constexpr, pred):
+    """TMA loads of the two tensors' tile from row `start` (Q and dO, or K and V) into buffer i % STAGES, counted on
+    that buffer's barrier."""
     stage = i % STAGES
     bar = bars.index(stage)
-    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [start_m, 0], bar, q_smem.index(stage), pred=pred)
-    tma.async_copy_global_to_shared(do_desc, [start_m, 0], bar, do_smem.index(stage), pred=pred)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [start, 0], bar, a_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [start, 0], bar, b_smem.index(stage), pred=pred)
+
+
+@gluon.jit
+def _head_desc(X, b, h, stride_b, stride_h, stride_t, T, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, LAYOUT: gl.constexpr):
+    """A tensor descriptor of one head's (T, HEAD_DIM) rows in blocks of ROWS (rows past T read as 0)."""
+    return tma.make_tensor_descriptor(X + b * stride_b + h * stride_h, [T, HEAD_DIM], [stride_t, 1], [ROWS, HEAD_DIM],
+                                      LAYOUT)
+
+
+@gluon.jit
+def _query_stats(LSE, DELTA, row_off, queries, T):
+    """The forward's base-2 lse of these queries (-inf, a row with no visible key, becomes +inf so that P = 0) and δ."""
+    lse = gl.load(LSE + row_off + queries, mask=queries < T, other=0.0)
+    delta = gl.load(DELTA + row_off + queries, mask=queries < T, other=0.0)
+    return gl.where(lse == float("-inf"), float("inf"), lse), delta
+
+
+@gluon.jit
+def _probs(s, lse, queries, keys, T, qk_scale, masked, CAUSAL: gl.constexpr):
+    """P recomputed (P <= 1 exactly: a recomputed score may exceed the saved lse by a few ulps), in whichever
+    orientation `s`, `lse`, `queries` and `keys` broadcast to; masked where a key is past T or (causal) after its
+    query, on the tiles that need it."""
+    p = gl.exp2(gl.minimum(s * qk_scale - lse, 0.0))
+    if masked:
+        valid = (queries < T) & (keys < T)
+        if CAUSAL:
+            valid = valid & (queries >= keys)
+        p = gl.where(valid, p, 0.0)
+    return p
 
 
 @gluon.jit
@@ -59,40 +93,39 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV,
                           stride_vt, stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
                           H, T, qk_scale, scale,
                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          CAUSAL: gl.constexpr, PIPELINED: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                          KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+    """dK and dV for BLOCK_N keys (one warpgroup per 64), over the query tiles that see them. Per query tile i:
+    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together, Pᵀ computed while dPᵀ runs, dSᵀ = Pᵀ (dPᵀ - δ) while dV += Pᵀ dO
+    runs, then dK += dSᵀ Q. PIPELINED: tile i+1's Sᵀ and dPᵀ are issued with tile i's dV and dK matmuls, so that
+    Pᵀ and dSᵀ of tile i+1 run under those (FA3's order; more registers: two tiles' operands live)."""
     gl.static_assert(STAGES >= 2, "a query tile's buffer is refilled once its matmuls are done: two keep one ahead")
     dtype: gl.constexpr = Q.dtype.element_ty
     pid_n = gl.program_id(0)  # key tile: the first ones see the most query tiles, so the heaviest start first
     bh = gl.program_id(1)
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [T, HEAD_DIM], [stride_qt, 1],
-                                        [BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, [T, HEAD_DIM], [stride_dot, 1],
-                                         [BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, [T, HEAD_DIM], [stride_kt, 1],
-                                        [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [T, HEAD_DIM], [stride_vt, 1],
-                                        [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, BLOCK_M, HEAD_DIM, Q_LAYOUT)
+    do_desc = _head_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, BLOCK_M, HEAD_DIM, Q_LAYOUT)
+    k_desc = _head_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT)
+    v_desc = _head_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT)
 
-    # Sᵀ and dPᵀ (keys x queries) and dK, dV (keys x head dim) in wgmma accumulator layouts, one warpgroup per 64 keys;
-    # Pᵀ and dSᵀ as the register A operands of dV's and dK's matmuls; the queries' lse and δ along Sᵀ's columns
+    # Sᵀ and dPᵀ (keys x queries) and dK, dV (keys x head dim) in wgmma accumulator layouts; Pᵀ and dSᵀ as the
+    # register A operands of dV's and dK's matmuls; the queries' lse and δ along Sᵀ's columns
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_bars.index(0), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
 
@@ -102,55 +135,86 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV,
     # query tiles crossing the diagonal (causal) or past T need a mask; the ones between do not
     diag_end = gl.minimum(n0 + BLOCK_N, T) if CAUSAL else lo
     free_end = (T // BLOCK_M) * BLOCK_M
-
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
+    _issue_rows(k_desc, v_desc, k_smem, v_smem, kv_bars, n0, 0, 1, True)
     for i in gl.static_range(STAGES):
-        _issue_q_do(q_desc, do_desc, q_smem, do_smem, ready_bars, lo + i * BLOCK_M, i, STAGES, i < n_tiles)
+        _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, lo + i * BLOCK_M, i, STAGES, i < n_tiles)
 
-    keys = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
+    keys = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
     row_off = bh.to(gl.int64) * T
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-    mbarrier.wait(kv_bar, 0)
+    k_tile = k_smem.index(0)
+    v_tile = v_smem.index(0)
+    mbarrier.wait(kv_bars.index(0), 0)
 
-    for i in range(n_tiles):
-        start_m = lo + i * BLOCK_M
-        stage = i % STAGES
-        mbarrier.wait(ready_bars.index(stage), (i // STAGES) & 1)
-        q_tile = q_smem.index(stage)
-        do_tile = do_smem.index(stage)
-        # Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ; the queries' statistics load while they run
-        st = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse = gl.load(LSE + row_off + queries, mask=queries < T, other=0.0)
-        lse = gl.where(lse == float("-inf"), float("inf"), lse)  # rows with no visible key: P = 0
-        delta = gl.load(DELTA + row_off + queries, mask=queries < T, other=0.0)
+    if PIPELINED:
+        # prologue: tile 0's Pᵀ and dSᵀ
+        mbarrier.wait(ready_bars.index(0), 0)
+        st = warpgroup_mma(k_tile, q_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_tile, do_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        queries = lo + gl.arange(0, BLOCK_M, layout=col_layout)
+        lse, delta = _query_stats(LSE, DELTA, row_off, queries, T)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-        # Pᵀ while dPᵀ computes (P <= 1 exactly: a recomputed score may exceed the saved lse by a few ulps)
-        pt = gl.exp2(gl.minimum(st * qk_scale - lse[None, :], 0.0))
-        if (start_m < diag_end) | (start_m >= free_end):
-            valid = (queries[None, :] < T) & (keys[:, None] < T)
-            if CAUSAL:
-                valid = valid & (queries[None, :] >= keys[:, None])
-            pt = gl.where(valid, pt, 0.0)
+        pt = _probs(st, lse[None, :], queries[None, :], keys, T, qk_scale, (lo < diag_end) | (lo >= free_end), CAUSAL)
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout, assert_trivial=True)
-        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-        # dPᵀ done (dV's matmul may still run): dSᵀ while it does
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
-        dst = pt * (dpt - delta[None, :])
-        dst_op = gl.convert_layout(dst.to(dtype), op_layout, assert_trivial=True)
-        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-        # everything of this tile retired before the next: its operands' registers and its buffer are free then
+        dst_op = gl.convert_layout((pt * (dpt - delta[None, :])).to(dtype), op_layout, assert_trivial=True)
+        for i in range(n_tiles - 1):
+            nxt = i + 1
+            start_m = lo + nxt * BLOCK_M
+            mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+            st = warpgroup_mma(k_tile, q_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            dpt = warpgroup_mma(v_tile, do_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                is_async=True)
+            dv = warpgroup_mma(pt_op, do_smem.index(i % STAGES), dv, is_async=True)
+            dk = warpgroup_mma(dst_op, q_smem.index(i % STAGES), dk, is_async=True)
+            queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+            lse, delta = _query_stats(LSE, DELTA, row_off, queries, T)
+            # groups issued this iteration, oldest first: Sᵀ_{i+1}, dPᵀ_{i+1}, dV_i, dK_i
+            st = warpgroup_mma_wait(num_outstanding=3, deps=(st,))
+            pt = _probs(st, lse[None, :], queries[None, :], keys, T, qk_scale,
+                        (start_m < diag_end) | (start_m >= free_end), CAUSAL)
+            dpt = warpgroup_mma_wait(num_outstanding=2, deps=(dpt,))
+            dst = pt * (dpt - delta[None, :])
+            # tile i's operands (registers and buffer) are free once its matmuls retire
+            dk, dv, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt_op, dst_op))
+            gl.thread_barrier()  # every warpgroup done with buffer i % STAGES before one thread refills it
+            _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, lo + (i + STAGES) * BLOCK_M, i + STAGES, STAGES,
+                        i + STAGES < n_tiles)
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout, assert_trivial=True)
+            dst_op = gl.convert_layout(dst.to(dtype), op_layout, assert_trivial=True)
+        last = (n_tiles - 1) % STAGES
+        dv = warpgroup_mma(pt_op, do_smem.index(last), dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q_smem.index(last), dk, is_async=True)
         dk, dv, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt_op, dst_op))
-        gl.thread_barrier()  # every warpgroup done with buffer `stage` before one thread refills it
-        _issue_q_do(q_desc, do_desc, q_smem, do_smem, ready_bars, start_m + STAGES * BLOCK_M, i + STAGES, STAGES,
-                    i + STAGES < n_tiles)
+    else:
+        for i in range(n_tiles):
+            start_m = lo + i * BLOCK_M
+            stage = i % STAGES
+            mbarrier.wait(ready_bars.index(stage), (i // STAGES) & 1)
+            q_tile = q_smem.index(stage)
+            do_tile = do_smem.index(stage)
+            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+            lse, delta = _query_stats(LSE, DELTA, row_off, queries, T)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+            pt = _probs(st, lse[None, :], queries[None, :], keys, T, qk_scale,
+                        (start_m < diag_end) | (start_m >= free_end), CAUSAL)
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout, assert_trivial=True)
+            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # dV's matmul may still run
+            dst_op = gl.convert_layout((pt * (dpt - delta[None, :])).to(dtype), op_layout, assert_trivial=True)
+            dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+            # everything of this tile retired before the next: its operands' registers and its buffer are free then
+            dk, dv, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt_op, dst_op))
+            gl.thread_barrier()  # every warpgroup done with buffer `stage` before one thread refills it
+            _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, start_m + STAGES * BLOCK_M, i + STAGES, STAGES,
+                        i + STAGES < n_tiles)
 
-    mbarrier.invalidate(kv_bar)
+    mbarrier.invalidate(kv_bars.index(0))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready_bars.index(i))
     g_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
@@ -160,78 +224,244 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV,
     gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=g_rows[:, None] < T)
 
 
+@gluon.jit
+def _attn_bwd_dq_hopper(Q, K, V, DO, O, LSE, DELTA, DQ,
+                        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+                        stride_vt, stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot,
+                        stride_gb, stride_gh, stride_gt, H, T, qk_scale, scale,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr, PIPELINED: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                        KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+    """dQ for BLOCK_M queries (one warpgroup per 64), over the key tiles they see; first δ = rowsum(dO ∘ O) of its
+    rows in fp32, stored for the dK/dV kernel (launched after it), as `kernels._attn_bwd_dq` does. Per key tile j:
+    S = Q Kᵀ and dP = dO Vᵀ issued together, P computed while dP runs, then dQ += dS K. PIPELINED: tile j+1's S and
+    dP are issued with tile j's dQ matmul, so that P and dS of tile j+1 run under it."""
+    gl.static_assert(STAGES >= 2, "a key tile's buffer is refilled once its matmuls are done: two keep one ahead")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    # query tile: under a causal mask the last ones see the most keys, so the heaviest start first
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, BLOCK_M, HEAD_DIM, Q_LAYOUT)
+    do_desc = _head_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, BLOCK_M, HEAD_DIM, Q_LAYOUT)
+    k_desc = _head_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT)
+    v_desc = _head_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # O and dO for δ
+
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bars.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+
+    m0 = pid_m * BLOCK_M
+    hi = gl.minimum(T, m0 + BLOCK_M) if CAUSAL else T
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    mask_from = m0 if CAUSAL else (T // BLOCK_N) * BLOCK_N  # key tiles from here on need a mask
+    _issue_rows(q_desc, do_desc, q_smem, do_smem, q_bars, m0, 0, 1, True)
+    for i in gl.static_range(STAGES):
+        _issue_rows(k_desc, v_desc, k_smem, v_smem, ready_bars, i * BLOCK_N, i, STAGES, i < n_tiles)
+
+    # δ of these rows while the tiles arrive
+    o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
+    in_t = o_rows[:, None] < T
+    o = gl.load(O + b * stride_ob + h * stride_oh + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :],
+                mask=in_t, other=0.0)
+    do = gl.load(DO + b * stride_dob + h * stride_doh + o_rows[:, None].to(gl.int64) * stride_dot + o_cols[None, :],
+                 mask=in_t, other=0.0)
+    row_off = bh.to(gl.int64) * T
+    delta = gl.sum(o.to(gl.float32) * do.to(gl.float32), 1)
+    gl.store(DELTA + row_off + o_rows, delta, mask=o_rows < T)
+    delta = gl.convert_layout(delta, row_layout)
+    query_index = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    lse = gl.load(LSE + row_off + query_index, mask=query_index < T, other=0.0)
+    lse = gl.where(lse == float("-inf"), float("inf"), lse)[:, None]  # rows with no visible key: P = 0
+    queries = query_index[:, None]
+
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=g_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    q_tile = q_smem.index(0)
+    do_tile = do_smem.index(0)
+    mbarrier.wait(q_bars.index(0), 0)
+
+    if PIPELINED:
+        mbarrier.wait(ready_bars.index(0), 0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        keys = gl.arange(0, BLOCK_N, layout=col_layout)[None, :]
+        p = _probs(s, lse, queries, keys, T, qk_scale, BLOCK_N > mask_from, CAUSAL)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout, assert_trivial=True)
+        for j in range(n_tiles - 1):
+            nxt = j + 1
+            mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_tile, v_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma(ds_op, k_smem.index(j % STAGES), dq, is_async=True)
+            # groups issued this iteration, oldest first: S_{j+1}, dP_{j+1}, dQ_j
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
+            keys = (nxt * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout))[None, :]
+            p = _probs(s, lse, queries, keys, T, qk_scale, (nxt + 1) * BLOCK_N > mask_from, CAUSAL)
+            dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+            ds = p * (dp - delta[:, None])
+            dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
+            gl.thread_barrier()  # every warpgroup done with buffer j % STAGES before one thread refills it
+            _issue_rows(k_desc, v_desc, k_smem, v_smem, ready_bars, (j + STAGES) * BLOCK_N, j + STAGES, STAGES,
+                        j + STAGES < n_tiles)
+            ds_op = gl.convert_layout(ds.to(dtype), op_layout, assert_trivial=True)
+        dq = warpgroup_mma(ds_op, k_smem.index((n_tiles - 1) % STAGES), dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
+    else:
+        for j in range(n_tiles):
+            stage = j % STAGES
+            mbarrier.wait(ready_bars.index(stage), (j // STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_tile, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            keys = (j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout))[None, :]
+            p = _probs(s, lse, queries, keys, T, qk_scale, (j + 1) * BLOCK_N > mask_from, CAUSAL)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+            ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout, assert_trivial=True)
+            dq = warpgroup_mma(ds_op, k_smem.index(stage), dq, is_async=True)
+            dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
+            gl.thread_barrier()  # every warpgroup done with buffer `stage` before one thread refills it
+            _issue_rows(k_desc, v_desc, k_smem, v_smem, ready_bars, (j + STAGES) * BLOCK_N, j + STAGES, STAGES,
+                        j + STAGES < n_tiles)
+
+    mbarrier.invalidate(q_bars.index(0))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready_bars.index(i))
+    g_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_layout))
+    g_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
+    out = b * stride_gb + h * stride_gh + g_rows[:, None].to(gl.int64) * stride_gt + g_cols[None, :]
+    gl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=g_rows[:, None] < T)
+
+
 class Tile(NamedTuple):
-    """Keys per program (one warpgroup per 64: `warps` = block_n // 16), queries per tile, Q/dO ring buffers."""
-    block_n: int = 128
-    block_m: int = 64
+    """A program's own rows (keys for dK/dV, queries for dQ; one warpgroup per 64), the rows of each tile streamed
+    past them, the ring's buffers, and the pipelined schedule."""
+    own: int = 128
+    streamed: int = 64
     stages: int = 2
+    pipelined: bool = False
 
     @property
     def warps(self) -> int:
-        return self.block_n // 16
+        return self.own // 16
 
     def __str__(self):
-        return f"{self.block_n}x{self.block_m}/{self.stages}st/{self.warps}w"
+        return f"{self.own}x{self.streamed}/{self.stages}st/{self.warps}w{'/pipelined' if self.pipelined else ''}"
 
 
-TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 32, 4)], 128: [Tile(128, 64, 2), Tile(128, 32, 3), Tile(64, 64, 3)]}
+# offline (sm_90): D = 128 at 64 streamed rows needs all 255 registers and spills 40 bytes unpipelined
+DKDV_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 32, 4), Tile(128, 64, 3, True), Tile(128, 32, 4, True)],
+              128: [Tile(128, 64, 2), Tile(128, 32, 3), Tile(64, 64, 3), Tile(128, 32, 3, True)]}
+DQ_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 64, 3, True), Tile(128, 128, 2)],
+            128: [Tile(128, 64, 2), Tile(64, 64, 3), Tile(128, 64, 2, True), Tile(128, 32, 3, True), Tile(64, 64, 3, True)]}
+KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper}
 
 
-def launch_constants(head_dim: int, dtype, causal: bool, tile: Tile) -> dict:
+def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile) -> dict:
+    """Compile-time arguments of the "dkdv" or "dq" kernel at `tile`."""
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return dict(HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.stages, CAUSAL=causal,
-                Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([tile.block_m, head_dim], gdtype),
-                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for([tile.block_n, head_dim], gdtype),
-                num_warps=tile.warps)
+    block_m, block_n = (tile.streamed, tile.own) if kernel == "dkdv" else (tile.own, tile.streamed)
+    return dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=tile.stages, CAUSAL=causal,
+                PIPELINED=tile.pipelined, Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdtype),
+                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype), num_warps=tile.warps)
+
+
+def _streamable(*tensors):
+    if not ops.tma_streamable(*tensors):
+        raise ValueError("q, k, v, dout: the Gluon study loads rows by TMA: 16-byte aligned bases and row strides")
+    ops.ensure_scratch_allocator()
 
 
 def dkdv(dout, q, k, v, lse, delta, causal: bool, scale: float, tile: Tile):
     """dK and dV from the Gluon kernel, given the forward's base-2 lse and δ = rowsum(dO ∘ O) (both (B, H, T) fp32)."""
     B, H, T, D = q.shape
-    if not ops.tma_streamable(q, k, v, dout):
-        raise ValueError("q, k, v, dout: the Gluon study loads rows by TMA: 16-byte aligned bases and row strides")
-    ops.ensure_scratch_allocator()
+    _streamable(q, k, v, dout)
     dk = torch.empty_like(k)
     dv = torch.empty_like(dk, dtype=v.dtype)  # the kernel writes both through dK's strides
-    grid = (triton.cdiv(T, tile.block_n), B * H)
+    grid = (triton.cdiv(T, tile.own), B * H)
     _attn_bwd_dkdv_hopper[grid](q, k, v, dout, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                                 *dout.stride()[:3], *dk.stride()[:3], H, T, scale * LOG2E, scale,
-                                **launch_constants(D, q.dtype, causal, tile))
+                                **launch_constants("dkdv", D, q.dtype, causal, tile))
     return dk, dv
 
 
+def dq_and_delta(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile):
+    """dQ from the Gluon kernel, and the δ = rowsum(dO ∘ O) it stores for the dK/dV kernel."""
+    B, H, T, D = q.shape
+    _streamable(q, k, v, dout)
+    dq = torch.empty_like(q)
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(T, tile.own), B * H)
+    _attn_bwd_dq_hopper[grid](q, k, v, dout, out, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                              *dout.stride()[:3], *out.stride()[:3], *dq.stride()[:3], H, T, scale * LOG2E, scale,
+                              **launch_constants("dq", D, q.dtype, causal, tile))
+    return dq, delta
+
+
 def forward_for_backward(q, k, v, causal: bool):
-    """Our forward's output and base-2 lse, and δ = rowsum(dO ∘ O) in fp32 as the dQ kernel computes it."""
+    """Our forward's output and base-2 lse, and its spec's key."""
     key = ops.register_spec(build_spec(resolve("fa2"), None, q.dtype, q.shape[2]))
     out, _, lse, _, _ = ops.forward(q, k, v, causal, q.shape[-1] ** -0.5, key, False, 0.0)
     return out, lse, key
 
 
-def check(shape, causal: bool, tile: Tile) -> dict:
-    """Our kernels' rule: dK and dV within twice the reference `fa2` backward's error against fp64, plus an ulp."""
+def check(kernel: str, shape, causal: bool, tile: Tile) -> dict:
+    """Our kernels' rule: each gradient within twice the reference `fa2` backward's error against fp64, plus an ulp
+    of the largest entry; the dQ kernel's δ equal to rowsum(dO ∘ O) in fp32 within fp32 rounding."""
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    scale = shape[-1] ** -0.5
     out, lse, _ = forward_for_backward(q, k, v, causal)
     delta = (dout.float() * out.float()).sum(-1)
-    dk, dv = dkdv(dout, q, k, v, lse, delta, causal, shape[-1] ** -0.5, tile)
-    result = {"shape": list(shape), "causal": causal, "tile": str(tile), "ok": True}
+    if kernel == "dkdv":
+        ours = dict(zip(("dk", "dv"), dkdv(dout, q, k, v, lse, delta, causal, scale, tile)))
+    else:
+        dq, their_delta = dq_and_delta(dout, q, k, v, out, lse, causal, scale, tile)
+        ours = {"dq": dq}
+    result = {"kernel": kernel, "shape": list(shape), "causal": causal, "tile": str(tile), "ok": True}
+    if kernel == "dq":
+        result["delta_err"] = (their_delta - delta).abs().max().item()
+        result["ok"] = result["delta_err"] <= 1e-5 * max(1.0, delta.abs().max().item())
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     flash_attention(*leaves, causal=causal, precision="fa2", backend="reference").backward(dout)
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=causal).backward(dout.double())
-    for name, ours, ref, want in (("dk", dk, leaves[1].grad, exact[1].grad), ("dv", dv, leaves[2].grad, exact[2].grad)):
-        err = (ours.double() - want).abs().max().item()
-        ref_err = (ref.double() - want).abs().max().item()
-        ok = bool(torch.isfinite(ours).all()) and err <= 2 * ref_err + want.abs().max().item() * 2.0 ** -8
+    for i, name in enumerate(("dq", "dk", "dv")):
+        if name not in ours:
+            continue
+        want = exact[i].grad
+        err = (ours[name].double() - want).abs().max().item()
+        ref_err = (leaves[i].grad.double() - want).abs().max().item()
         result |= {f"{name}_err": err, f"{name}_reference_err": ref_err}
-        result["ok"] &= ok
+        result["ok"] &= bool(torch.isfinite(ours[name]).all()) and err <= 2 * ref_err + want.abs().max().item() * 2.0 ** -8
     return result
 
 
-def timed(shape, tiles) -> dict:
+def timed(shape, dkdv_tiles, dq_tiles) -> dict:
     """Milliseconds from CUDA graphs, causal: our Triton backward (dQ and dK/dV kernels), our Triton dK/dV kernel
-    alone, the Gluon dK/dV kernel at each tile, and cuDNN's backward (its forward+backward less its forward); and
-    TFLOP/s: the backward's conventional 2.5x the forward's FLOPs (five matmuls), the dK/dV kernels' four of them."""
+    alone, the Gluon kernels at each tile, and cuDNN's backward (its forward+backward less its forward); and TFLOP/s:
+    the backward's conventional 2.5x the forward's FLOPs (five matmuls); the dK/dV kernels' four of them, the dQ
+    kernels' three (they recompute S and dP)."""
     B, H, T, D = shape
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse, key = forward_for_backward(q, k, v, True)
@@ -266,13 +496,19 @@ def timed(shape, tiles) -> dict:
 
     runs = {"triton-backward": (lambda: ops.backward(dout, q, k, v, out, lse, True, scale, key), 5),
             "triton-dkdv": (triton_dkdv, 4)}
-    for tile in tiles:
+    for tile in dkdv_tiles:
         runs[f"gluon-dkdv {tile}"] = (lambda t=tile: dkdv(dout, q, k, v, lse, delta, True, scale, t), 4)
+    for tile in dq_tiles:
+        runs[f"gluon-dq {tile}"] = (lambda t=tile: dq_and_delta(dout, q, k, v, out, lse, True, scale, t), 3)
     row = {"shape": list(shape)}
     for name, (fn, _) in runs.items():
         row[name] = {"ms": ms(fn)}
     row["cudnn-backward"] = {"ms": ms(cudnn(True)) - ms(cudnn(False))}
     runs["cudnn-backward"] = (None, 5)
+    best = [min((row[n]["ms"] for n in runs if n.startswith(f"gluon-{kind} ")), default=None) for kind in ("dq", "dkdv")]
+    if None not in best:  # the two best Gluon kernels, one after the other
+        row["gluon-backward (best dq + best dkdv)"] = {"ms": sum(best)}
+        runs["gluon-backward (best dq + best dkdv)"] = (None, 5)
     for name, (_, matmuls) in runs.items():
         row[name]["tflops"] = matmuls * matmul_flops / (row[name]["ms"] * 1e9)
     return row
@@ -287,23 +523,27 @@ def main():
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
             "timing": "do_bench_cudagraph median, causal bf16",
-            "flops": "per matmul 2*B*H*T^2*D/2 (causal); backward 5 of them, dK/dV 4"}
+            "flops": "per matmul 2*B*H*T^2*D/2 (causal); backward 5 of them, dK/dV 4, dQ 3"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "checks": [], "rows": []}
     passed = {}
-    for head_dim, tiles in TILES.items():
-        for tile in tiles:
-            checks = [check(shape, causal, tile) for shape in [(2, 3, 77, head_dim), (1, 4, 513, head_dim)]
-                      for causal in (True, False)]
-            passed[head_dim, tile] = all(c["ok"] for c in checks)
-            result["checks"] += checks
-            print(f"D={head_dim} {str(tile):<16} checks {'ok' if passed[head_dim, tile] else 'FAILED'}", flush=True)
-            args.out.write_text(json.dumps(result, indent=1))
+    for kernel, tiles in (("dkdv", DKDV_TILES), ("dq", DQ_TILES)):
+        for head_dim in sorted({s[-1] for s in shapes}):
+            for tile in tiles[head_dim]:
+                checks = [check(kernel, shape, causal, tile) for shape in [(2, 3, 77, head_dim), (1, 4, 513, head_dim)]
+                          for causal in (True, False)]
+                passed[kernel, head_dim, tile] = all(c["ok"] for c in checks)
+                result["checks"] += checks
+                print(f"{kernel} D={head_dim} {str(tile):<24} checks "
+                      f"{'ok' if passed[kernel, head_dim, tile] else 'FAILED'}", flush=True)
+                args.out.write_text(json.dumps(result, indent=1))
     for shape in shapes:
-        row = timed(shape, [t for t in TILES[shape[-1]] if passed[shape[-1], t]])
+        D = shape[-1]
+        row = timed(shape, [t for t in DKDV_TILES[D] if passed["dkdv", D, t]],
+                    [t for t in DQ_TILES[D] if passed["dq", D, t]])
         result["rows"].append(row)
-        print(f"{str(shape):<22}" + "  ".join(f"{name} {value['tflops']:.0f} ({value['ms']:.3f} ms)"
-                                            for name, value in row.items() if name != "shape"), flush=True)
+        print(f"{str(shape)}\n" + "".join(f"    {name:<40} {value['tflops']:6.0f} TFLOP/s  {value['ms']:.3f} ms\n"
+                                          for name, value in row.items() if name != "shape"), flush=True)
         args.out.write_text(json.dumps(result, indent=1))
 
 

@@ -226,22 +226,31 @@ def test_ops_choose_the_gluon_forward_for_production_numerics_only():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("causal", [True, False])
-def test_gluon_backward_study_keeps_its_wgmmas_asynchronous(causal):
-    """The Gluon dK/dV study (benchmarks/gluon_backward.py) compiles for sm_90 at every tile it times: per query
-    tile it issues Sᵀ and dPᵀ, waits for Sᵀ alone, issues dV's matmul, waits for dPᵀ alone, issues dK's, then one full
-    wait; ptxas keeps the wgmmas asynchronous; within the H200's shared memory (spills are reported on the GPU run:
-    D = 128 at 64 queries per tile needs all 255 registers)."""
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_gluon_backward_study_keeps_its_wgmmas_asynchronous(kernel):
+    """The Gluon backward study (benchmarks/gluon_backward.py) compiles for sm_90 at every tile it times, causal and
+    not: per streamed tile it issues S and dP together, waits for S alone, then for dP, issues the accumulating
+    matmuls (dV, dK; or dQ) and retires everything in the same iteration; pipelined, the next tile's S and dP go with
+    them. ptxas keeps the wgmmas asynchronous, within the H200's shared memory (spills are for the GPU run to show:
+    D = 128 at 64 streamed rows needs all 255 registers for dK and dV)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     study = _study("gluon_backward")
-    for head_dim, tiles in study.TILES.items():
+    accumulating = 2 if kernel == "dkdv" else 1
+    for head_dim, tiles in (study.DKDV_TILES if kernel == "dkdv" else study.DQ_TILES).items():
         for tile in tiles:
-            consts = study.launch_constants(head_dim, torch.bfloat16, causal, tile)
-            compiled = compile_function(study._attn_bwd_dkdv_hopper, consts, {"num_warps": tile.warps},
-                                        source_type=GluonASTSource)
-            ptx = compiled.asm["ptx"]
-            assert offline.wgmma_serialization(compiled) is None, (head_dim, str(tile))
-            assert ptx.count("wgmma.commit_group") == 4
-            assert sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)) == ["0", "1", "1"]
-            assert resource_usage(compiled)["shared_bytes"] <= 232_448
+            for causal in (True, False):
+                consts = study.launch_constants(kernel, head_dim, torch.bfloat16, causal, tile)
+                compiled = compile_function(study.KERNELS[kernel], consts, {"num_warps": tile.warps},
+                                            source_type=GluonASTSource)
+                ptx = compiled.asm["ptx"]
+                assert offline.wgmma_serialization(compiled) is None, (kernel, head_dim, str(tile))
+                # S, dP and the accumulating matmuls: once in the loop, and (pipelined) once more around it
+                groups = 2 + accumulating
+                assert ptx.count("wgmma.commit_group") == groups * (2 if tile.pipelined else 1)
+                waits = sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx))
+                if tile.pipelined:  # prologue: S, dP; loop: S, dP, all; after it: all
+                    assert waits == sorted(["1", "0", str(groups - 1), str(groups - 2), "0", "0"])
+                else:  # S; dP (dV's matmul may run on) or dP; all
+                    assert waits == (["0", "1", "1"] if kernel == "dkdv" else ["0", "0", "1"])
+                assert resource_usage(compiled)["shared_bytes"] <= 232_448
