@@ -12,7 +12,7 @@
 # gluon-sweep: the same kernel over launch tiles (CTAs per SM, heaviest row blocks first), each checked then timed
 # pingpong: the sweep's pingpong tiles alone (two warpgroups taking turns), at the two 4096-token shapes
 # gluon-ab: our kernels' benchmark with the Gluon forward (as shipped on sm_90) and without (STABLEFLASH_GLUON=0)
-# gluon-bwd: the Gluon dK/dV study, checked then timed against our Triton dK/dV kernel and cuDNN's backward
+# gluon-bwd: the Gluon backward study (dQ and dK/dV kernels), checked then timed against ours and cuDNN's backward
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -56,8 +56,8 @@ for part in $parts; do
                    | tee "$out/gluon-sweep.log" ;;
     pingpong) timeout 300 python3 benchmarks/gluon_forward.py --sweep --only pingpong --shapes "4,12,4096,64;4,16,4096,128" \
                 --out "$out/gluon-pingpong-h200.json" 2>&1 | grep -v Warning | tee "$out/gluon-pingpong.log" ;;
-    # our kernels with the Gluon forward on sm_90 (as they ship) against the Triton forward (STABLEFLASH_GLUON=0),
-    # interleaved, cuDNN in each process as the named baseline
+    # our kernels with the Gluon forward on sm_90 (as they ship), then with the Triton forward (STABLEFLASH_GLUON=0),
+    # cuDNN in each process as the named baseline
     gluon-ab) mkdir -p "$out/gluon-ab"
               for gluon in 1 0; do
                 STABLEFLASH_GLUON=$gluon python3 benchmarks/attention.py \

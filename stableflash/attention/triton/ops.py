@@ -311,6 +311,15 @@ def _hopper_tile(spec: KernelSpec, q, k, v, stats: bool, pinned: bool, launch) -
     return tile
 
 
+@functools.cache
+def _hopper_constants(key: str, head_dim: int, dtype: torch.dtype, causal: bool, tile, stats: bool):
+    """The Gluon forward's compile-time arguments and launch config for one spec (built once: layouts included)."""
+    spec = _SPECS[key]
+    constants = hopper.constants(head_dim, dtype, causal, tile, stab=spec.stab, beta=spec.beta, low=spec.low,
+                                 high=spec.high, bounded=spec.bounded, stats=stats)
+    return constants, triton.Config({}, num_warps=tile.warps)
+
+
 def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An empty (B, H, T, D) tensor in `t`'s memory order: (B, T, H, D) when `t` is a model's heads viewed out of
     its (B, T, H·D) activations (the model's transpose back is then free, as with SDPA), else contiguous."""
@@ -350,11 +359,10 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     eps_u = spec.eps if spec.stab == 1 else stats_eps * units
     if hopper_tile is not None:
         ensure_scratch_allocator()  # device-side descriptors
-        constants = hopper.constants(D, q.dtype, causal, hopper_tile, stab=spec.stab, beta=spec.beta, low=spec.low,
-                                     high=spec.high, bounded=spec.bounded, stats=stats)
+        constants, config = _hopper_constants(key, D, q.dtype, causal, hopper_tile, stats)
         launch(None, hopper._attn_fwd_hopper, lambda _: hopper.grid(B * H, T, hopper_tile), q, k, v, out, lse, counts,
                smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T, scale * units, eps_u,
-               **constants, config=triton.Config({}, num_warps=hopper_tile.warps))
+               **constants, config=config)
         return out, o_saved, lse, counts, smax
 
     def grid(m):  # (heads, query tiles) for SFA's native kernel (see `_meta`), else (query tiles, heads)
