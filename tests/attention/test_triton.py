@@ -161,26 +161,30 @@ def test_sfa_removes_most_of_the_bias_on_tied_maxima(magnitude):
     assert abs(bias[False]) < 0.6 * abs(bias[True]), bias
 
 
+def _assert_finite_on_large_logits(head_dim=64, dtype=torch.bfloat16, **kw):
+    """Outputs and gradients finite on scores of ~1e4 with ties and, where the dtype holds them (bf16), ~1e10 (all
+    keys equal) and 2e11 to 8e11."""
+    cases = []
+    if dtype == torch.bfloat16:
+        cases.append((torch.full((1, 2, 64, head_dim), 133120.0, dtype=dtype), {}))
+        # scores 2e11 to 8e11, one maximum per row, non-causal so that 64-key tiles need no mask: there Triton had
+        # contracted the forward's exp2(fl(qk * scale) - m) into exp2(fma(qk, scale, -m)), which overflows (NaN until
+        # 2026-11-30)
+        rows = (2.0 ** 17 * (1 + torch.arange(64) / 64)).to(dtype)
+        cases.append((rows[None, None, :, None].expand(1, 2, 64, head_dim).contiguous(), {"causal": False}))
+    g = torch.Generator().manual_seed(1)
+    cases.append(((torch.randn(1, 2, 96, head_dim, generator=g) * 12).round().to(dtype), {}))  # ~1e4, with ties
+    for q, case_kw in cases:
+        q = q.to(DEVICE).requires_grad_()
+        out = _attention(q, q, q, **{**kw, **case_kw})
+        out.float().sum().backward()
+        assert torch.isfinite(out).all() and torch.isfinite(q.grad).all(), case_kw
+
+
 @pytest.mark.parametrize("precision", ["fa2", "paper", "bf16"])
 @pytest.mark.parametrize("stabilize", [None, SFA(), ClampPbar()])
 def test_large_logits_give_no_nan(precision, stabilize):
-    q = torch.full((1, 2, 64, 64), 133120.0, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
-    out = _attention(q, q, q, precision=precision, stabilize=stabilize)
-    out.float().sum().backward()
-    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
-    # scores 2e11 to 8e11, one maximum per row, non-causal so that 64-key tiles need no mask: there Triton had contracted
-    # the forward's exp2(fl(qk * scale) - m) into exp2(fma(qk, scale, -m)), which overflows (NaN until 2026-11-30)
-    rows = (2.0 ** 17 * (1 + torch.arange(64) / 64)).to(torch.bfloat16)
-    q1 = rows[None, None, :, None].expand(1, 2, 64, 64).contiguous().to(DEVICE).requires_grad_()
-    out1 = _attention(q1, q1, q1, causal=False, precision=precision, stabilize=stabilize)
-    out1.float().sum().backward()
-    assert torch.isfinite(out1).all() and torch.isfinite(q1.grad).all()
-    # scores up to ~1e4 with ties
-    g = torch.Generator().manual_seed(1)
-    q2 = (torch.randn(1, 2, 96, 64, generator=g) * 12).round().to(torch.bfloat16).to(DEVICE).requires_grad_()
-    out2 = _attention(q2, q2, q2, precision=precision, stabilize=stabilize)
-    out2.float().sum().backward()
-    assert torch.isfinite(out2).all() and torch.isfinite(q2.grad).all()
+    _assert_finite_on_large_logits(precision=precision, stabilize=stabilize)
 
 
 def test_rows_with_no_visible_key_give_zero_and_zero_gradients():
@@ -328,25 +332,26 @@ def test_head_dim_128_tunes_the_load_path_and_misaligned_heads_keep_pointers():
 @pytest.mark.skipif(INTERPRET, reason="the Gluon forward runs on sm_90 GPUs only")
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-def test_the_gluon_forward_on_hopper_matches_the_reference_at_its_tiles(D, causal, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_gluon_forward_on_hopper_matches_the_reference_at_its_tiles(D, causal, dtype, monkeypatch):
     """On sm_90 the native forward is the Gluon kernel where `hopper.FORWARD_TILES` has a tile (`fa2` plain at D = 64
     and 128, SFA and the statistics at 128), here from any length (the table's lengths are where it measured faster):
     outputs and gradients (the Triton backward reads its log-sum-exp) within twice the reference's error against
     fp64, and the statistics equal to the reference's, whose `fa2` tiles are 128x128 as the Gluon kernel's at D = 128
     (SFA's shift and the counts are per key tile). Keys 3 and 5 are one large key, so most rows repeat their
-    maximum. The Triton forward (STABLEFLASH_GLUON=0) agrees within rounding."""
+    maximum. The Triton forward (STABLEFLASH_GLUON=0) agrees within rounding. Huge logits give no NaN."""
     from stableflash.attention.triton import hopper, ops
 
     if ops.hopper is None or not ops._is_hopper(torch.cuda.current_device()):
         pytest.skip("the Gluon forward runs on sm_90 GPUs only")
     monkeypatch.setattr(hopper, "FORWARD_TILES", {key: choice and choice._replace(min_seq_len=1)
                                                   for key, choice in hopper.FORWARD_TILES.items()})
-    q, k, v = _inputs((2, 3, 333, D))
+    q, k, v = _inputs((2, 3, 333, D), dtype)
     with torch.no_grad():
         k[:, :, 3] = k[:, :, 5] = 4 * q.mean(dim=2)
     dout = torch.randn_like(q)
     for stabilize, stats in ((None, None), (SFA(), AttentionStats(3, eps=SFA().eps))):
-        spec = build_spec(resolve("fa2"), stabilize, torch.bfloat16, 333)
+        spec = build_spec(resolve("fa2"), stabilize, dtype, 333)
         gluon = ops.hopper_forward_tile(spec, D, stats is not None, 333) is not None
         assert gluon or (D == 64 and stabilize is not None)  # the table as measured: SFA at D = 64 stays in Triton
         ops._launches.cache.clear()
@@ -358,7 +363,7 @@ def test_the_gluon_forward_on_hopper_matches_the_reference_at_its_tiles(D, causa
         exact_fn, leaves = _fp64(q, k, v, causal)
         exact = _run(exact_fn, *leaves, dout.cpu().double())
         for name, a, b, c in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
-            _assert_within_twice_the_reference(name, a, b, c, torch.bfloat16)
+            _assert_within_twice_the_reference(name, a, b, c, dtype)
         if stats is not None and gluon:  # at the reference's tiles: the same rows, P̄ = 1 entries and maxima
             assert stats.repeated_max_rows.tolist() == ref_stats.repeated_max_rows.tolist()
             assert stats.pbar_ones.tolist() == ref_stats.pbar_ones.tolist() and stats.pbar_ones.sum() > 0
@@ -368,6 +373,7 @@ def test_the_gluon_forward_on_hopper_matches_the_reference_at_its_tiles(D, causa
         monkeypatch.setattr(ops, "HOPPER_FORWARD", True)
         for name, a, b in zip(["out", "dq", "dk", "dv"], ours, triton_forward):
             assert rel_err(a.float().cpu(), b.float().cpu()) < 1e-2, name
+        _assert_finite_on_large_logits(D, dtype, causal=causal, stabilize=stabilize)
 
 
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
