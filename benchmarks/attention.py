@@ -82,6 +82,7 @@ def main():
     parser.add_argument("--impls", default=None, help="comma-separated subset of the implementations")
     parser.add_argument("--shapes", default=None, help="e.g. 16,12,1024,64;4,12,4096,64")
     parser.add_argument("--summary", type=Path, default=None, help="print the ratio table of this JSON and exit")
+    parser.add_argument("--modes", default=None, help="a subset of fwd,fwdbwd,fwd_graph,fwdbwd_graph (default: all)")
     args = parser.parse_args()
     if args.summary is not None:
         print_summary(json.loads(args.summary.read_text())["rows"])
@@ -100,6 +101,9 @@ def main():
                 modes += [("fwd_tflops_cudagraph", "fwd_graph", fwd_flops),
                           ("fwdbwd_tflops_cudagraph", "fwdbwd_graph", 3.5 * fwd_flops)]
             for key, mode, flops in modes:
+                if args.modes and mode not in args.modes.split(","):
+                    row[key] = None
+                    continue
                 try:
                     ms = measure(impls[name], shape, mode)
                     row[key] = flops / (ms * 1e-3) / 1e12
