@@ -32,9 +32,8 @@ from stableflash.attention.precision import resolve
 from stableflash.attention.triton import ops
 from stableflash.attention.triton.hopper import Tile, _attn_fwd_hopper, constants, grid
 from stableflash.attention.triton.ops import ensure_scratch_allocator, tma_streamable
-from stableflash.attention.triton.spec import build_spec
+from stableflash.attention.triton.spec import LOG2E, build_spec
 
-LOG2E = 1.4426950408889634
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
 

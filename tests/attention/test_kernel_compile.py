@@ -179,7 +179,6 @@ def test_gluon_forward_study_keeps_wgmmas_in_flight_across_the_softmax(head_dim,
     assert usage["spill_stack_bytes"] == 0 and usage["shared_bytes"] <= 232_448
 
 
-
 def _ops_hopper_launches():
     """(head dim, SFA, statistics, tile) for every Gluon forward `ops.forward` launches on sm_90."""
     return [(head_dim, sfa, stats, choice.tile) for (head_dim, softmax_work), choice in ops.hopper.FORWARD_TILES.items()
