@@ -66,6 +66,30 @@ def _head_desc(X, b, h, stride_b, stride_h, stride_t, T, ROWS: gl.constexpr, HEA
 
 
 @gluon.jit
+def _head_descs(Q, K, V, DO, bh, H, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb,
+                stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, T, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
+    """The (batch, head) `bh`'s descriptors: Q and dO in blocks of BLOCK_M rows, K and V in blocks of BLOCK_N."""
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    return (_head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, BLOCK_M, HEAD_DIM, Q_LAYOUT),
+            _head_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, BLOCK_M, HEAD_DIM, Q_LAYOUT),
+            _head_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT),
+            _head_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT))
+
+
+@gluon.jit
+def _store_rows(X, bh, H, stride_b, stride_h, stride_t, row0, value, T, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                LAYOUT: gl.constexpr):
+    """Rows row0.. row0+ROWS of one head's (T, HEAD_DIM) gradient, from an fp32 tile in LAYOUT; rows past T are left."""
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
+    offsets = ((bh // H).to(gl.int64) * stride_b + (bh % H).to(gl.int64) * stride_h
+               + rows[:, None].to(gl.int64) * stride_t + cols[None, :])
+    gl.store(X + offsets, value.to(X.dtype.element_ty), mask=rows[:, None] < T)
+
+
+@gluon.jit
 def _query_stats(LSE, DELTA, row_off, queries, T):
     """The forward's base-2 lse of these queries (-inf, a row with no visible key, becomes +inf so that P = 0) and δ."""
     lse = gl.load(LSE + row_off + queries, mask=queries < T, other=0.0)
@@ -103,12 +127,9 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV,
     dtype: gl.constexpr = Q.dtype.element_ty
     pid_n = gl.program_id(0)  # key tile: the first ones see the most query tiles, so the heaviest start first
     bh = gl.program_id(1)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
-    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, BLOCK_M, HEAD_DIM, Q_LAYOUT)
-    do_desc = _head_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, BLOCK_M, HEAD_DIM, Q_LAYOUT)
-    k_desc = _head_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT)
-    v_desc = _head_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT)
+    q_desc, do_desc, k_desc, v_desc = _head_descs(
+        Q, K, V, DO, bh, H, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+        stride_vt, stride_dob, stride_doh, stride_dot, T, BLOCK_M, BLOCK_N, HEAD_DIM, Q_LAYOUT, KV_LAYOUT)
 
     # Sᵀ and dPᵀ (keys x queries) and dK, dV (keys x head dim) in wgmma accumulator layouts; Pᵀ and dSᵀ as the
     # register A operands of dV's and dK's matmuls; the queries' lse and δ along Sᵀ's columns
@@ -217,11 +238,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV,
     mbarrier.invalidate(kv_bars.index(0))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready_bars.index(i))
-    g_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
-    g_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
-    out = b * stride_gb + h * stride_gh + g_rows[:, None].to(gl.int64) * stride_gt + g_cols[None, :]
-    gl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=g_rows[:, None] < T)
-    gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=g_rows[:, None] < T)
+    _store_rows(DK, bh, H, stride_gb, stride_gh, stride_gt, n0, dk * scale, T, BLOCK_N, HEAD_DIM, g_layout)
+    _store_rows(DV, bh, H, stride_gb, stride_gh, stride_gt, n0, dv, T, BLOCK_N, HEAD_DIM, g_layout)
 
 
 @gluon.jit
@@ -243,10 +261,9 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, O, LSE, DELTA, DQ,
     bh = gl.program_id(1)
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
-    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, BLOCK_M, HEAD_DIM, Q_LAYOUT)
-    do_desc = _head_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, BLOCK_M, HEAD_DIM, Q_LAYOUT)
-    k_desc = _head_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT)
-    v_desc = _head_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, BLOCK_N, HEAD_DIM, KV_LAYOUT)
+    q_desc, do_desc, k_desc, v_desc = _head_descs(
+        Q, K, V, DO, bh, H, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+        stride_vt, stride_dob, stride_doh, stride_dot, T, BLOCK_M, BLOCK_N, HEAD_DIM, Q_LAYOUT, KV_LAYOUT)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -347,10 +364,7 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, O, LSE, DELTA, DQ,
     mbarrier.invalidate(q_bars.index(0))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready_bars.index(i))
-    g_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_layout))
-    g_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
-    out = b * stride_gb + h * stride_gh + g_rows[:, None].to(gl.int64) * stride_gt + g_cols[None, :]
-    gl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=g_rows[:, None] < T)
+    _store_rows(DQ, bh, H, stride_gb, stride_gh, stride_gt, m0, dq * scale, T, BLOCK_M, HEAD_DIM, g_layout)
 
 
 class Tile(NamedTuple):
