@@ -253,3 +253,24 @@ def test_gluon_backward_study_keeps_its_wgmmas_asynchronous(kernel):
                 else:  # S; dP (dV's matmul may run on) or dP; all
                     assert waits == (["0", "1", "1"] if kernel == "dkdv" else ["0", "0", "1"])
                 assert resource_usage(compiled)["shared_bytes"] <= 232_448
+
+
+def test_traced_launches_hand_the_gluon_forward_to_the_opaque_op(monkeypatch):
+    """Inductor launches only Triton kernels: where the Gluon forward would run, the traced forward (`triton_op`)
+    calls the opaque op instead, which runs it as a node of its own; elsewhere, and for launchers other than ours
+    (a caller's recorder), the Triton forward is launched as before. The choice itself is faked (no sm_90 here)."""
+    key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, 100))
+    q, k, v = (torch.randn(1, 2, 100, 64, dtype=torch.bfloat16) for _ in range(3))
+    handed = []
+    monkeypatch.setattr(ops, "flash_fwd", lambda *args: handed.append(args) or "opaque")
+    launched = []
+    record = lambda tuned, plain, grid, *args, config=None, **meta: launched.append(plain)  # noqa: E731
+    monkeypatch.setattr(ops, "_traced_launch", record)
+    monkeypatch.setattr(ops, "_hopper_tile", lambda *args: ops.hopper.FORWARD_TILES[64, False].tile)
+    assert ops.forward(q, k, v, True, 0.125, key, False, 1e-3, launch=ops._traced_launch) == "opaque"
+    assert len(handed) == 1 and handed[0][3:] == (True, 0.125, key, False, 1e-3) and not launched
+    ops.forward(q, k, v, True, 0.125, key, False, 1e-3, launch=lambda *a, **kw: launched.append("caller's"))
+    assert launched == ["caller's"] and len(handed) == 1
+    monkeypatch.setattr(ops, "_hopper_tile", lambda *args: None)
+    ops.forward(q, k, v, True, 0.125, key, False, 1e-3, launch=ops._traced_launch)
+    assert launched == ["caller's", ops.kernels._attn_fwd] and len(handed) == 1

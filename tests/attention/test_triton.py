@@ -321,7 +321,7 @@ def test_head_dim_128_tunes_the_load_path_and_misaligned_heads_keep_pointers():
         aligned_heads = q.data_ptr() % 16 == 0
         # on sm_90 aligned heads run the Gluon forward (TMA only), which the autotuner does not tile
         spec = build_spec(resolve("fa2"), None, torch.bfloat16, T)  # (T = 333: the table keeps the Triton forward)
-        gluon = aligned_heads and ops._hopper_tile(spec, q, k, v, False, False, ops._launch) is not None
+        gluon = aligned_heads and ops._hopper_tile(spec, q, k, v, False, False) is not None
         assert ("_attn_fwd_hopper" in tiles) == gluon
         triton_tiles = [tile for name, tile in tiles.items() if name != "_attn_fwd_hopper"]
         assert len(triton_tiles) == 3 - gluon and all(("TMA" in tile) == aligned_heads for tile in triton_tiles)
@@ -374,6 +374,39 @@ def test_the_gluon_forward_on_hopper_matches_the_reference_at_its_tiles(D, causa
         for name, a, b in zip(["out", "dq", "dk", "dv"], ours, triton_forward):
             assert rel_err(a.float().cpu(), b.float().cpu()) < 1e-2, name
         _assert_finite_on_large_logits(D, dtype, causal=causal, stabilize=stabilize)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Gluon forward runs on sm_90 GPUs only")
+def test_compiled_models_run_the_gluon_forward_as_the_opaque_op(monkeypatch):
+    """Under torch.compile (fullgraph, the traced ops) on sm_90, where the Gluon forward applies (here forced from
+    any length), the graph calls the opaque forward op, which runs it, and inductor launches the Triton backward;
+    gradients as eager within 1% (inductor autotunes the backward anew)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from stableflash.attention.triton import hopper, ops
+
+    if ops.hopper is None or not ops._is_hopper(torch.cuda.current_device()):
+        pytest.skip("the Gluon forward runs on sm_90 GPUs only")
+    monkeypatch.setattr(hopper, "FORWARD_TILES", {key: choice and choice._replace(min_seq_len=1)
+                                                  for key, choice in hopper.FORWARD_TILES.items()})
+    monkeypatch.setattr(ops, "TRACEABLE", True)
+    torch._dynamo.reset()
+    B, T, H, D = 2, 333, 3, 128
+    qkv = torch.randn(B, T, 3 * H * D).to(torch.bfloat16).to(DEVICE)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2).requires_grad_() for t in qkv.split(H * D, dim=2))
+    sfa = SFA()
+
+    def f(q, k, v):
+        return _attention(q, k, v, stabilize=sfa).float().square().sum()
+
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    compiled = torch.compile(f, fullgraph=True)
+    grads, code = run_and_get_code(lambda: torch.autograd.grad(compiled(q, k, v), (q, k, v)))
+    code = "\n".join(code)
+    assert "flash_fwd.default" in code and "def _attn_fwd(" not in code  # the opaque op, not the Triton forward
+    assert "_attn_bwd_dq" in code  # the backward traced, launched by inductor
+    for a, b in zip(eager, grads):
+        assert rel_err(b.cpu(), a.cpu()) < 1e-2
 
 
 @pytest.mark.parametrize("precision", ["fa2", "paper"])

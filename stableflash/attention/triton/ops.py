@@ -300,10 +300,10 @@ def hopper_forward_tile(spec: KernelSpec, head_dim: int, stats: bool, seq_len: i
     return choice.tile if choice is not None and seq_len >= choice.min_seq_len else None
 
 
-def _hopper_tile(spec: KernelSpec, q, k, v, stats: bool, pinned: bool, launch) -> hopper.Tile | None:
-    """`hopper_forward_tile` where this launch can take it: on sm_90, with TMA-streamable rows, launched eagerly or
-    from the opaque op (inductor launches only Triton kernels), where the caller pins no tile or study switch."""
-    if not HOPPER_FORWARD or INTERPRET or pinned or launch is not _launch or not q.is_cuda:
+def _hopper_tile(spec: KernelSpec, q, k, v, stats: bool, pinned: bool) -> hopper.Tile | None:
+    """`hopper_forward_tile` where this launch can take it: on sm_90, with TMA-streamable rows, where the caller pins
+    no tile or study switch."""
+    if not HOPPER_FORWARD or INTERPRET or pinned or not q.is_cuda:
         return None
     tile = hopper_forward_tile(spec, q.shape[-1], stats, q.shape[-2])
     if tile is None or spec.out_dtype != q.dtype or not _is_hopper(q.device.index) or not tma_streamable(q, k, v):
@@ -336,15 +336,19 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
     Without `stats` the two counters are empty. `variants`: the forward kernel's study switches (`TMA`;
     benchmarks/kernel_switches.py), with a fixed `tile`. Without either, on sm_90 the Gluon forward runs where
-    `_hopper_tile` has a tile; elsewhere, at D >= 128, the autotuner also chooses between pointer and TMA loads
-    (`_tma_candidate`).
+    `_hopper_tile` has a tile (traced, as the opaque op: inductor launches only Triton kernels); elsewhere, at
+    D >= 128, the autotuner also chooses between pointer and TMA loads (`_tma_candidate`).
     """
     spec, meta, *_ = _meta(key)
     meta = {**meta, **variants}
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
     pinned = tile is not None or bool(variants)
-    hopper_tile = _hopper_tile(spec, q, k, v, stats, pinned, launch)
+    hopper_tile = _hopper_tile(spec, q, k, v, stats, pinned) if launch in (_launch, _traced_launch) else None
+    if hopper_tile is not None and launch is _traced_launch:
+        # under torch.compile the Gluon forward runs as the opaque op, a node of the graph of its own (it decides
+        # again when it runs); the backward stays traced
+        return flash_fwd(q, k, v, causal, scale, key, stats, stats_eps)
     either = hopper_tile is None and _choose_load_path(meta, spec, D, pinned, k, v)
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else out.new_empty(0)
