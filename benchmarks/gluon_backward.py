@@ -2,10 +2,10 @@
 backward and cuDNN's.
 
 Why (docs/kernel-notes.md): the backward is ~70% of forward+backward and runs at 0.74-0.80x cuDNN's; Triton 3.6
-waits for every wgmma but a loop-carried accumulator's, so in our kernels P's exponentials wait for dP = dO Vᵀ to
-finish although they need only S. The same two kernels as ours (`kernels._attn_bwd_dq`, which also stores δ, then
-`kernels._attn_bwd_dkdv`), each owning a block of rows and streaming the other's tiles past them by TMA through a
-ring of buffers:
+waits for every wgmma but a loop-carried accumulator's, so in our kernels P's exponentials overlap no matmul (S is
+waited for before them, dP = dO Vᵀ issued after them). The same two kernels as ours (`kernels._attn_bwd_dq`,
+which also stores δ, then `kernels._attn_bwd_dkdv`), each owning a block of rows and streaming the other's tiles
+past them by TMA through a ring of buffers:
 - dK/dV, per query tile: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together; Pᵀ computed while dPᵀ runs; dV += Pᵀ dO
   issued; dSᵀ = Pᵀ (dPᵀ - δ) computed while it runs; dK += dSᵀ Q issued; one full wait.
 - dQ, per key tile: S and dP issued together, P computed while dP runs, dQ += dS K, one full wait.
