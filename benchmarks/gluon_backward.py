@@ -439,11 +439,11 @@ def forward_for_backward(q, k, v, causal: bool):
     return out, lse, key
 
 
-def check(kernel: str, shape, causal: bool, tile: Tile) -> dict:
+def check(kernel: str, shape, causal: bool, tile: Tile, dtype=torch.bfloat16) -> dict:
     """Our kernels' rule: each gradient within twice the reference `fa2` backward's error against fp64, plus an ulp
     of the largest entry; the dQ kernel's δ equal to rowsum(dO ∘ O) in fp32 within fp32 rounding."""
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype, generator=g) for _ in range(4))
     scale = shape[-1] ** -0.5
     out, lse, _ = forward_for_backward(q, k, v, causal)
     delta = (dout.float() * out.float()).sum(-1)
@@ -452,7 +452,8 @@ def check(kernel: str, shape, causal: bool, tile: Tile) -> dict:
     else:
         dq, their_delta = dq_and_delta(dout, q, k, v, out, lse, causal, scale, tile)
         ours = {"dq": dq}
-    result = {"kernel": kernel, "shape": list(shape), "causal": causal, "tile": str(tile), "ok": True}
+    result = {"kernel": kernel, "shape": list(shape), "causal": causal, "tile": str(tile), "dtype": str(dtype),
+              "ok": True}
     if kernel == "dq":
         result["delta_err"] = (their_delta - delta).abs().max().item()
         result["ok"] = result["delta_err"] <= 1e-5 * max(1.0, delta.abs().max().item())
@@ -545,7 +546,7 @@ def main():
         for head_dim in sorted({s[-1] for s in shapes}):
             for tile in tiles[head_dim]:
                 checks = [check(kernel, shape, causal, tile) for shape in [(2, 3, 77, head_dim), (1, 4, 513, head_dim)]
-                          for causal in (True, False)]
+                          for causal in (True, False)] + [check(kernel, (2, 3, 77, head_dim), True, tile, torch.float16)]
                 passed[kernel, head_dim, tile] = all(c["ok"] for c in checks)
                 result["checks"] += checks
                 print(f"{kernel} D={head_dim} {str(tile):<24} checks "
