@@ -40,11 +40,10 @@ def gluon_forward_row(head_dim: int, tile, variant: str, stabilize, stats: bool)
     """The Gluon forward at one of `hopper.FORWARD_TILES`, with the constants `ops.forward` gives it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    spec = build_spec(resolve("fa2"), stabilize, torch.bfloat16, 4096)
-    consts = ops.hopper.constants(head_dim, torch.bfloat16, True, tile, stab=spec.stab, beta=spec.beta, low=spec.low,
-                                  high=spec.high, bounded=spec.bounded, stats=stats)
-    compiled = compile_function(ops.hopper._attn_fwd_hopper, {**consts, "num_warps": tile.warps},
-                                {"num_warps": tile.warps}, source_type=GluonASTSource)
+    key = ops.register_spec(build_spec(resolve("fa2"), stabilize, torch.bfloat16, 4096))
+    consts, config = ops._hopper_constants(key, head_dim, torch.bfloat16, True, tile, stats)
+    compiled = compile_function(ops.hopper._attn_fwd_hopper, {**consts, "num_warps": config.num_warps},
+                                {"num_warps": config.num_warps}, source_type=GluonASTSource)
     return {"kernel": "fwd-gluon", "variant": variant + ("/pingpong" if tile.pingpong else ""), "head_dim": head_dim,
             "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "warps": tile.warps, "stages": tile.stages,
             **resource_usage(compiled), "wgmma_serialized": wgmma_serialization(compiled)}

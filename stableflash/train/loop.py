@@ -123,8 +123,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self._load()
-        if self.device.type == "cuda" and _tile_picks() is not None:
-            self._pick_attention_tiles()
+        self._pick_attention_tiles()
         self.batch_log = ReplayLog(self.run_dir / "batches.jsonl") if self.is_main else None
         self.monitor = Monitor(cfg.monitor, self.model, self.run_dir, enabled=self.is_main)
         self.tensorboard = None
@@ -179,7 +178,10 @@ class Trainer:
         (`_load` runs first, so a resumed run autotunes only launches the checkpoint has no pick for): a resumed
         `fa2` run launches the tiles the interrupted one did, where inductor would autotune again in each process
         and another tile gives other last bits. Under DDP every rank takes rank 0's picks. Called again when the
-        monitor switches a layer's attention (launches that have a pick then only run, they are not autotuned)."""
+        monitor switches a layer's attention (launches that have a pick then only run, they are not autotuned).
+        Only on a GPU with Triton installed."""
+        if self.device.type != "cuda" or _tile_picks() is None:
+            return
         from stableflash.attention import stabilize as stab_module
         from stableflash.attention import triton as triton_attention
         from stableflash.attention.triton.ops import pin_tiles
@@ -310,8 +312,7 @@ class Trainer:
         if action == "rollback" and (self.run_dir / "checkpoint.pt").exists():
             self._load()
         self.model.set_layer_attention(layer, new)
-        if self.device.type == "cuda" and _tile_picks() is not None:
-            self._pick_attention_tiles()  # the new attention's tiles, picked eagerly and kept like the others
+        self._pick_attention_tiles()  # the new attention's tiles, picked eagerly and kept like the others
         self._log("events.jsonl", {"step": self.step, "kind": "action", "action": action, "layer": layer,
                                    "attention": new.describe()})
 

@@ -195,10 +195,9 @@ def test_the_gluon_forwards_ops_launches_compile_unserialised(head_dim, sfa, sta
 
     spec = build_spec(resolve("fa2"), SFA() if sfa else None, torch.bfloat16, 4096)
     assert ops.hopper_forward_tile(spec, head_dim, stats, 4096) == tile
-    consts = ops.hopper.constants(head_dim, torch.bfloat16, True, tile, stab=spec.stab, beta=spec.beta, low=spec.low,
-                                  high=spec.high, bounded=spec.bounded, stats=stats)
-    compiled = compile_function(ops.hopper._attn_fwd_hopper, {**consts, "num_warps": tile.warps},
-                                {"num_warps": tile.warps}, source_type=GluonASTSource)
+    consts, config = ops._hopper_constants(ops.register_spec(spec), head_dim, torch.bfloat16, True, tile, stats)
+    compiled = compile_function(ops.hopper._attn_fwd_hopper, {**consts, "num_warps": config.num_warps},
+                                {"num_warps": config.num_warps}, source_type=GluonASTSource)
     assert offline.wgmma_serialization(compiled) is None
     usage = resource_usage(compiled)
     assert usage["spill_stack_bytes"] == 0 and usage["shared_bytes"] <= 232_448
