@@ -37,7 +37,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from stableflash import flash_attention
 from stableflash.attention.precision import resolve
@@ -87,6 +87,25 @@ def _store_rows(X, bh, H, stride_b, stride_h, stride_t, row0, value, T, ROWS: gl
     offsets = ((bh // H).to(gl.int64) * stride_b + (bh % H).to(gl.int64) * stride_h
                + rows[:, None].to(gl.int64) * stride_t + cols[None, :])
     gl.store(X + offsets, value.to(X.dtype.element_ty), mask=rows[:, None] < T)
+
+
+@gluon.jit
+def _store_delta(O, DO, DELTA, bh, H, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, m0, T,
+                 ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+    """δ = rowsum(dO ∘ O) in fp32 of rows m0.. m0+ROWS of one head, stored into DELTA ((B, H, T)) and returned."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    in_t = rows[:, None] < T
+    o = gl.load(O + b * stride_ob + h * stride_oh + rows[:, None].to(gl.int64) * stride_ot + cols[None, :],
+                mask=in_t, other=0.0)
+    do = gl.load(DO + b * stride_dob + h * stride_doh + rows[:, None].to(gl.int64) * stride_dot + cols[None, :],
+                 mask=in_t, other=0.0)
+    delta = gl.sum(o.to(gl.float32) * do.to(gl.float32), 1)
+    gl.store(DELTA + bh.to(gl.int64) * T + rows, delta, mask=rows < T)
+    return delta
 
 
 @gluon.jit
@@ -259,8 +278,6 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, O, LSE, DELTA, DQ,
     # query tile: under a causal mask the last ones see the most keys, so the heaviest start first
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
     bh = gl.program_id(1)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
     q_desc, do_desc, k_desc, v_desc = _head_descs(
         Q, K, V, DO, bh, H, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
         stride_vt, stride_dob, stride_doh, stride_dot, T, BLOCK_M, BLOCK_N, HEAD_DIM, Q_LAYOUT, KV_LAYOUT)
@@ -272,7 +289,6 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, O, LSE, DELTA, DQ,
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # O and dO for δ
 
     q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, HEAD_DIM], Q_LAYOUT)
@@ -293,16 +309,9 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, O, LSE, DELTA, DQ,
         _issue_rows(k_desc, v_desc, k_smem, v_smem, ready_bars, i * BLOCK_N, i, STAGES, i < n_tiles)
 
     # δ of these rows while the tiles arrive
-    o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
-    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
-    in_t = o_rows[:, None] < T
-    o = gl.load(O + b * stride_ob + h * stride_oh + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :],
-                mask=in_t, other=0.0)
-    do = gl.load(DO + b * stride_dob + h * stride_doh + o_rows[:, None].to(gl.int64) * stride_dot + o_cols[None, :],
-                 mask=in_t, other=0.0)
+    delta = _store_delta(O, DO, DELTA, bh, H, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, m0, T,
+                         BLOCK_M, HEAD_DIM, num_warps)
     row_off = bh.to(gl.int64) * T
-    delta = gl.sum(o.to(gl.float32) * do.to(gl.float32), 1)
-    gl.store(DELTA + row_off + o_rows, delta, mask=o_rows < T)
     delta = gl.convert_layout(delta, row_layout)
     query_index = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
     lse = gl.load(LSE + row_off + query_index, mask=query_index < T, other=0.0)
@@ -367,6 +376,146 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, O, LSE, DELTA, DQ,
     _store_rows(DQ, bh, H, stride_gb, stride_gh, stride_gt, m0, dq * scale, T, BLOCK_M, HEAD_DIM, g_layout)
 
 
+@gluon.constexpr_function
+def _packs_row_pairs(layout):
+    """Whether four consecutive registers of a thread in `layout` (linear form) hold columns c, c+1 of rows r and
+    r+8: the group that `_dq_fragment_offsets` lays out contiguously and `_red_add_v4` adds in one instruction."""
+    return layout.reg_bases[:2] == [[0, 1], [8, 0]]
+
+
+@gluon.jit
+def _dq_fragment_offsets(ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, LAYOUT: gl.constexpr):
+    """Where each element (r, c) of a (ROWS, HEAD_DIM) tile in a wgmma accumulator layout lives in the fp32 dQ
+    buffer, in fragment order: per block of 16 rows (r = 16a + 8b + g) and 8 columns (c = 8j + 2t + e), lane
+    4g + t's four values (e, b) side by side, the 32 lanes' groups in a row, so that one `red.v4` adds a group and a
+    warp's 32 of them cover 512 contiguous bytes. `dq_from_fragments` undoes the order."""
+    gl.static_assert(_packs_row_pairs(gl.to_linear_layout(LAYOUT, [ROWS, HEAD_DIM])),
+                     "dQ's atomics add four registers at a time: columns c, c+1 of rows r, r+8")
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))[:, None]
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))[None, :]
+    return (r // 16) * (16 * HEAD_DIM) + (c // 8) * 128 + ((r % 8) * 4 + (c % 8) // 2) * 4 + ((r // 8) % 2) * 2 + c % 2
+
+
+@gluon.jit
+def _red_add_v4(address, value):
+    """Adds each thread's groups of four consecutive registers of `value` (fp32) at the first one's address: one
+    `red.global.add.v4.f32` (sm_90) per group instead of four scalar atomics, relaxed, nothing returned (the dummy
+    result is what `inline_asm_elementwise` needs)."""
+    return gl.inline_asm_elementwise(
+        "red.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n"
+        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [address.to(gl.int64, bitcast=True), value], dtype=gl.int32, is_pure=False,
+        pack=4)
+
+
+@gluon.jit
+def _attn_bwd_delta_hopper(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, H, T,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """δ = rowsum(dO ∘ O) of BLOCK_M rows, for the one-kernel backward (which needs every query's δ from its start)."""
+    _store_delta(O, DO, DELTA, gl.program_id(1), H, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
+                 stride_dot, gl.program_id(0) * BLOCK_M, T, BLOCK_M, HEAD_DIM, num_warps)
+
+
+@gluon.jit
+def _attn_bwd_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+                     stride_vt, stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
+                     H, T, T_ACC, qk_scale, scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+                     DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+    """The whole backward in one kernel (FA2's and FA3's layout): dK and dV for BLOCK_N keys as
+    `_attn_bwd_dkdv_hopper` computes them, and per query tile its share of dQ, dS K, added into an fp32 buffer
+    (DQ_ACC, (B·H, T_ACC, HEAD_DIM) in fragment order) by vector atomics: five matmuls per tile pair instead of the
+    two kernels' seven. dSᵀ goes through shared memory, where dQ's matmul reads it transposed; dQ's accumulator
+    splits its columns over DQ_SPLIT warpgroups when the query tile has fewer than 64 rows per warpgroup. Not
+    deterministic (the atomics' order varies), unlike the two kernels."""
+    gl.static_assert(STAGES >= 2, "a query tile's buffer is refilled once its matmuls are done: two keep one ahead")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    q_desc, do_desc, k_desc, v_desc = _head_descs(
+        Q, K, V, DO, bh, H, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+        stride_vt, stride_dob, stride_doh, stride_dot, T, BLOCK_M, BLOCK_N, HEAD_DIM, Q_LAYOUT, KV_LAYOUT)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                        warps_per_cta=[num_warps // DQ_SPLIT, DQ_SPLIT],
+                                                        instr_shape=[16, HEAD_DIM // DQ_SPLIT, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bars.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+
+    n0 = pid_n * BLOCK_N
+    lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    n_tiles = gl.cdiv(T - lo, BLOCK_M)
+    diag_end = gl.minimum(n0 + BLOCK_N, T) if CAUSAL else lo
+    free_end = (T // BLOCK_M) * BLOCK_M
+    _issue_rows(k_desc, v_desc, k_smem, v_smem, kv_bars, n0, 0, 1, True)
+    for i in gl.static_range(STAGES):
+        _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, lo + i * BLOCK_M, i, STAGES, i < n_tiles)
+
+    keys = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
+    row_off = bh.to(gl.int64) * T
+    dq_acc = DQ_ACC + bh.to(gl.int64) * T_ACC * HEAD_DIM + _dq_fragment_offsets(BLOCK_M, HEAD_DIM, dq_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    k_tile = k_smem.index(0)
+    v_tile = v_smem.index(0)
+    mbarrier.wait(kv_bars.index(0), 0)
+
+    for i in range(n_tiles):
+        start_m = lo + i * BLOCK_M
+        stage = i % STAGES
+        mbarrier.wait(ready_bars.index(stage), (i // STAGES) & 1)
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+        lse, delta = _query_stats(LSE, DELTA, row_off, queries, T)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        pt = _probs(st, lse[None, :], queries[None, :], keys, T, qk_scale,
+                    (start_m < diag_end) | (start_m >= free_end), CAUSAL)
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout, assert_trivial=True)
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # dV's matmul may still run
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        ds_smem.store(dst)
+        dst_op = gl.convert_layout(dst, op_layout, assert_trivial=True)
+        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+        fence_async_shared()
+        gl.thread_barrier()  # every warpgroup's rows of dSᵀ stored before either reads all of them
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+        dk, dv, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, pt_op, dst_op))
+        # every warpgroup done with buffer `stage` (and with dSᵀ) before one thread refills it (or any rewrites dSᵀ)
+        gl.thread_barrier()
+        _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, start_m + STAGES * BLOCK_M, i + STAGES, STAGES,
+                    i + STAGES < n_tiles)
+        _red_add_v4(dq_acc + start_m * HEAD_DIM, dq)  # rows past T add zeros into the buffer's padding
+
+    mbarrier.invalidate(kv_bars.index(0))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready_bars.index(i))
+    _store_rows(DK, bh, H, stride_gb, stride_gh, stride_gt, n0, dk * scale, T, BLOCK_N, HEAD_DIM, g_layout)
+    _store_rows(DV, bh, H, stride_gb, stride_gh, stride_gt, n0, dv, T, BLOCK_N, HEAD_DIM, g_layout)
+
+
 class Tile(NamedTuple):
     """A program's own rows (keys for dK/dV, queries for dQ; one warpgroup per 64), the rows of each tile streamed
     past them, the ring's buffers, and the pipelined schedule."""
@@ -388,16 +537,25 @@ DKDV_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 32, 4), Tile(128
               128: [Tile(128, 64, 2), Tile(128, 32, 3), Tile(64, 64, 3), Tile(128, 32, 3, True)]}
 DQ_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 64, 3, True), Tile(128, 128, 2)],
             128: [Tile(128, 64, 2), Tile(64, 64, 3), Tile(128, 64, 2, True), Tile(128, 32, 3, True), Tile(64, 64, 3, True)]}
-KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper}
+# the one-kernel backward: dQ's matmul needs 64 query rows per warpgroup, so no 32-row streamed tiles
+ONE_KERNEL_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 128, 2)],
+                    128: [Tile(128, 64, 2), Tile(64, 64, 3), Tile(64, 64, 2)]}
+KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "one": _attn_bwd_hopper}
+TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES}
 
 
 def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile) -> dict:
-    """Compile-time arguments of the "dkdv" or "dq" kernel at `tile`."""
+    """Compile-time arguments of the "dkdv", "dq" or "one" (one-kernel backward) kernel at `tile`."""
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    block_m, block_n = (tile.streamed, tile.own) if kernel == "dkdv" else (tile.own, tile.streamed)
-    return dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=tile.stages, CAUSAL=causal,
-                PIPELINED=tile.pipelined, Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdtype),
-                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype), num_warps=tile.warps)
+    block_m, block_n = (tile.own, tile.streamed) if kernel == "dq" else (tile.streamed, tile.own)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=tile.stages, CAUSAL=causal,
+                  Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdtype),
+                  KV_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype), num_warps=tile.warps)
+    if kernel != "one":
+        return consts | dict(PIPELINED=tile.pipelined)
+    assert not tile.pipelined and block_m >= 64, f"the one-kernel backward has no tile {tile}"
+    return consts | dict(DQ_SPLIT=tile.warps // min(tile.warps, block_m // 16),
+                         DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gdtype))
 
 
 def _streamable(*tensors):
@@ -432,6 +590,33 @@ def dq_and_delta(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile
     return dq, delta
 
 
+def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile):
+    """dQ, dK and dV from the one-kernel backward: a δ pass, the kernel (dQ added into a zeroed fp32 buffer in
+    fragment order), then dQ put back in row order, scaled and cast."""
+    B, H, T, D = q.shape
+    _streamable(q, k, v, dout)
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    _attn_bwd_delta_hopper[(triton.cdiv(T, 128), B * H)](out, dout, delta, *out.stride()[:3], *dout.stride()[:3], H, T,
+                                                         HEAD_DIM=D, BLOCK_M=128, num_warps=8)
+    t_acc = triton.cdiv(T, 128) * 128  # every query tile's rows, padding included (BLOCK_M divides 128)
+    dq_acc = torch.zeros(B * H, t_acc, D, device=q.device, dtype=torch.float32)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(dk, dtype=v.dtype)
+    _attn_bwd_hopper[(triton.cdiv(T, tile.own), B * H)](
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *dout.stride()[:3], *dk.stride()[:3], H, T, t_acc, scale * LOG2E, scale,
+        **launch_constants("one", D, q.dtype, causal, tile))
+    return dq_from_fragments(dq_acc, T, scale, q.dtype).view(B, H, T, D), dk, dv
+
+
+def dq_from_fragments(dq_acc, T: int, scale: float, dtype):
+    """The fp32 dQ buffer of `_dq_fragment_offsets` back in row order: per 16 rows (a, b, g) and 8 columns (j, t, e),
+    stored as (a, j, g, t, b, e); the first T rows, scaled, in `dtype`."""
+    BH, t_acc, D = dq_acc.shape
+    tiles = dq_acc.view(BH, t_acc // 16, D // 8, 8, 4, 2, 2).permute(0, 1, 5, 3, 2, 4, 6)
+    return (tiles.reshape(BH, t_acc, D)[:, :T] * scale).to(dtype)
+
+
 def forward_for_backward(q, k, v, causal: bool):
     """Our forward's output and base-2 lse, and its spec's key."""
     key = ops.register_spec(build_spec(resolve("fa2"), None, q.dtype, q.shape[2]))
@@ -449,6 +634,8 @@ def check(kernel: str, shape, causal: bool, tile: Tile, dtype=torch.bfloat16) ->
     delta = (dout.float() * out.float()).sum(-1)
     if kernel == "dkdv":
         ours = dict(zip(("dk", "dv"), dkdv(dout, q, k, v, lse, delta, causal, scale, tile)))
+    elif kernel == "one":
+        ours = dict(zip(("dq", "dk", "dv"), one_kernel(dout, q, k, v, out, lse, causal, scale, tile)))
     else:
         dq, their_delta = dq_and_delta(dout, q, k, v, out, lse, causal, scale, tile)
         ours = {"dq": dq}
@@ -472,11 +659,12 @@ def check(kernel: str, shape, causal: bool, tile: Tile, dtype=torch.bfloat16) ->
     return result
 
 
-def timed(shape, dkdv_tiles, dq_tiles) -> dict:
+def timed(shape, tiles: dict) -> dict:
     """Milliseconds from CUDA graphs, causal: our Triton backward (dQ and dK/dV kernels), our Triton dK/dV kernel
-    alone, the Gluon kernels at each tile, and cuDNN's backward (its forward+backward less its forward); and TFLOP/s:
-    the backward's conventional 2.5x the forward's FLOPs (five matmuls); the dK/dV kernels' four of them, the dQ
-    kernels' three (they recompute S and dP)."""
+    alone, the Gluon kernels at each of their `tiles` ({"dkdv" | "dq" | "one": [Tile]}), and cuDNN's backward (its
+    forward+backward less its forward); and TFLOP/s: the backward's conventional 2.5x the forward's FLOPs (five
+    matmuls, as the one-kernel backward computes); the dK/dV kernels' four of them, the dQ kernels' three (they
+    recompute S and dP)."""
     B, H, T, D = shape
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse, key = forward_for_backward(q, k, v, True)
@@ -511,10 +699,12 @@ def timed(shape, dkdv_tiles, dq_tiles) -> dict:
 
     runs = {"triton-backward": (lambda: ops.backward(dout, q, k, v, out, lse, True, scale, key), 5),
             "triton-dkdv": (triton_dkdv, 4)}
-    for tile in dkdv_tiles:
+    for tile in tiles.get("dkdv", ()):
         runs[f"gluon-dkdv {tile}"] = (lambda t=tile: dkdv(dout, q, k, v, lse, delta, True, scale, t), 4)
-    for tile in dq_tiles:
+    for tile in tiles.get("dq", ()):
         runs[f"gluon-dq {tile}"] = (lambda t=tile: dq_and_delta(dout, q, k, v, out, lse, True, scale, t), 3)
+    for tile in tiles.get("one", ()):
+        runs[f"gluon-one-kernel {tile}"] = (lambda t=tile: one_kernel(dout, q, k, v, out, lse, True, scale, t), 5)
     row = {"shape": list(shape)}
     for name, (fn, _) in runs.items():
         row[name] = {"ms": ms(fn)}
@@ -533,8 +723,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/gluon-backward-h200.json"))
     parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
+    parser.add_argument("--kernels", default="dkdv,dq,one", help="which Gluon kernels to check and time")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    tiles = {kernel: TILES[kernel] for kernel in args.kernels.split(",")}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
             "timing": "do_bench_cudagraph median, causal bf16",
@@ -542,9 +734,9 @@ def main():
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "checks": [], "rows": []}
     passed = {}
-    for kernel, tiles in (("dkdv", DKDV_TILES), ("dq", DQ_TILES)):
+    for kernel, by_head_dim in tiles.items():
         for head_dim in sorted({s[-1] for s in shapes}):
-            for tile in tiles[head_dim]:
+            for tile in by_head_dim[head_dim]:
                 checks = [check(kernel, shape, causal, tile) for shape in [(2, 3, 77, head_dim), (1, 4, 513, head_dim)]
                           for causal in (True, False)] + [check(kernel, (2, 3, 77, head_dim), True, tile, torch.float16)]
                 passed[kernel, head_dim, tile] = all(c["ok"] for c in checks)
@@ -554,13 +746,12 @@ def main():
                 args.out.write_text(json.dumps(result, indent=1))
     for shape in shapes:
         D = shape[-1]
-        row = timed(shape, [t for t in DKDV_TILES[D] if passed["dkdv", D, t]],
-                    [t for t in DQ_TILES[D] if passed["dq", D, t]])
+        row = timed(shape, {kernel: [t for t in by_head_dim[D] if passed[kernel, D, t]]
+                            for kernel, by_head_dim in tiles.items()})
         result["rows"].append(row)
         print(f"{str(shape)}\n" + "".join(f"    {name:<40} {value['tflops']:6.0f} TFLOP/s  {value['ms']:.3f} ms\n"
                                           for name, value in row.items() if name != "shape"), flush=True)
         args.out.write_text(json.dumps(result, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores;
 # with the D = 128 TMA candidates the suite took 378 s on 6 workers, 268 s before).
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon|gluon-sweep|pingpong|gluon-ab|gluon-bwd]...
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon|gluon-sweep|pingpong|gluon-ab|gluon-bwd|gluon-one]...
 #   (default: tests bench)
 # lab: the call-path layers at three shapes (benchmarks/attention_tiles.py)
 # variants: the kernels' study switches against the kernels as they ship (benchmarks/kernel_switches.py)
@@ -12,7 +12,9 @@
 # gluon-sweep: the same kernel over launch tiles (CTAs per SM, heaviest row blocks first), each checked then timed
 # pingpong: the sweep's pingpong tiles alone (two warpgroups taking turns), at the two 4096-token shapes
 # gluon-ab: our kernels' benchmark with the Gluon forward (as shipped on sm_90) and without (STABLEFLASH_GLUON=0)
-# gluon-bwd: the Gluon backward study (dQ and dK/dV kernels), checked then timed against ours and cuDNN's backward
+# gluon-bwd: the Gluon backward study (dQ and dK/dV kernels, one-kernel backward), checked then timed against ours and
+#   cuDNN's backward
+# gluon-one: the study's one-kernel backward alone (dQ by vector atomics)
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -68,6 +70,8 @@ for part in $parts; do
               tail -n 12 "$out"/gluon-ab/*.log ;;
     gluon-bwd) timeout 420 python3 benchmarks/gluon_backward.py --out "$out/gluon-backward-h200.json" 2>&1 | grep -v Warning \
                  | tee "$out/gluon-backward.log" ;;
+    gluon-one) timeout 300 python3 benchmarks/gluon_backward.py --kernels one --out "$out/gluon-one-kernel-h200.json" 2>&1 \
+                 | grep -v Warning | tee "$out/gluon-one-kernel.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -254,6 +254,45 @@ def test_gluon_backward_study_keeps_its_wgmmas_asynchronous(kernel):
                 assert resource_usage(compiled)["shared_bytes"] <= 232_448
 
 
+@pytest.mark.slow
+def test_gluon_one_kernel_backward_adds_dq_by_vector_atomics():
+    """The study's one-kernel backward compiles for sm_90 at every tile it times: five matmuls per query tile (Sᵀ and
+    dPᵀ, then dV, dK and dQ), ptxas keeps them asynchronous, dQ goes out by `red.global.add.v4.f32` (a quarter of
+    the scalar atomics), within the H200's shared memory. The kernel itself asserts, at compile time, that four
+    consecutive registers of dQ's accumulator are the group its buffer lays out side by side."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    study = _study("gluon_backward")
+    for head_dim, tiles in study.ONE_KERNEL_TILES.items():
+        for tile in tiles:
+            for causal in (True, False):
+                consts = study.launch_constants("one", head_dim, torch.bfloat16, causal, tile)
+                compiled = compile_function(study.KERNELS["one"], consts, {"num_warps": tile.warps},
+                                            source_type=GluonASTSource)
+                ptx = compiled.asm["ptx"]
+                assert offline.wgmma_serialization(compiled) is None, (head_dim, str(tile))
+                assert ptx.count("wgmma.commit_group") == 5
+                groups_per_thread = tile.streamed * head_dim // (32 * tile.warps) // 4  # dQ's tile, 4 per group
+                assert ptx.count("red.global.add.v4.f32") == groups_per_thread, (head_dim, str(tile))
+                assert "atom.global" not in ptx
+                assert resource_usage(compiled)["shared_bytes"] <= 232_448
+
+
+def test_one_kernel_dq_buffer_returns_to_row_order():
+    """`dq_from_fragments` undoes the fragment order the one-kernel backward adds dQ in: element (r, c), r = 16a +
+    8b + g and c = 8j + 2t + e, at a·16D + 128j + 4(4g + t) + 2b + e of its head's buffer; first T rows, scaled."""
+    study = _study("gluon_backward")
+    heads, t_acc, head_dim, T = 3, 128, 64, 77
+    want = torch.randn(heads, t_acc, head_dim)
+    r = torch.arange(t_acc)[:, None]
+    c = torch.arange(head_dim)[None, :]
+    index = (r // 16) * 16 * head_dim + (c // 8) * 128 + (4 * (r % 8) + (c % 8) // 2) * 4 + 2 * ((r // 8) % 2) + c % 2
+    buffer = torch.empty(heads, t_acc * head_dim)
+    buffer[:, index.flatten()] = want.flatten(1)
+    got = study.dq_from_fragments(buffer.view(heads, t_acc, head_dim), T, 0.5, torch.float32)
+    assert torch.equal(got, want[:, :T] * 0.5)
+
+
 def test_traced_launches_hand_the_gluon_forward_to_the_opaque_op(monkeypatch):
     """Inductor launches only Triton kernels: where the Gluon forward would run, the traced forward (`triton_op`)
     calls the opaque op instead, which runs it as a node of its own; elsewhere, and for launchers other than ours
