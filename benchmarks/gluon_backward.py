@@ -12,12 +12,20 @@ past them by TMA through a ring of buffers:
 - `Tile(pipelined=True)`: the next tile's S and dP are issued with this tile's accumulating matmuls and waited for
   in the same iteration (FA3's order, as in the forward; a partial wait across the loop's back edge made ptxas
   serialise every wgmma of the forward study, C7514), so that the next tile's P and dS run under them.
+- The one-kernel backward ("one"; FA2's and FA3's layout): the dK/dV kernel that also computes each query tile's
+  share of dQ, dS K, from dSᵀ in shared memory, and adds it into an fp32 buffer by vector atomics (four values per
+  `red.global.add.v4.f32`: the buffer is laid out in the accumulator's fragment order); five matmuls per tile pair
+  instead of the two kernels' seven, after a δ pass, before a pass that puts dQ back in row order.
+
+Measured on the H200 (RESULTS.md, session 13): every tile passes its checks; the Gluon dK/dV kernel ties ours, the
+Gluon dQ kernel is up to 16% slower, and the one-kernel backward is 2-37% slower than our two Triton kernels (at
+D = 128 it spills). So `ops` keeps the Triton backward.
 
 Native FA2 numerics as the Triton kernels compute them: P = exp2(min(S·scale·log2e - lse, 0)) from the forward's
 base-2 log-sum-exp (rows with no visible key, lse = -inf, give P = 0), dS = P (dP - δ) with δ = rowsum(dO ∘ O) in
 fp32, dQ and dK scaled once at the end. Causal or not, any T, head dims 64 and 128, bf16 and fp16, 16-byte aligned
 rows. Every tile is checked (each gradient within twice the reference `fa2` backward's error against fp64) before
-it is timed. Not wired into `ops` (a study, as the forward was first).
+it is timed.
 
     python benchmarks/gluon_backward.py --out results/gluon-backward-h200.json     # on an H200: check, then time
 The kernels compile for sm_90 on any machine (tests/attention/test_kernel_compile.py does, without a GPU).
