@@ -430,14 +430,15 @@ def _attn_bwd_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                      stride_vt, stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
                      H, T, T_ACC, qk_scale, scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
-                     DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                     CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_WORK: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                     KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """The whole backward in one kernel (FA2's and FA3's layout): dK and dV for BLOCK_N keys as
     `_attn_bwd_dkdv_hopper` computes them, and per query tile its share of dQ, dS K, added into an fp32 buffer
     (DQ_ACC, (B·H, T_ACC, HEAD_DIM) in fragment order) by vector atomics: five matmuls per tile pair instead of the
     two kernels' seven. dSᵀ goes through shared memory, where dQ's matmul reads it transposed; dQ's accumulator
     splits its columns over DQ_SPLIT warpgroups when the query tile has fewer than 64 rows per warpgroup. Not
-    deterministic (the atomics' order varies), unlike the two kernels."""
+    deterministic (the atomics' order varies), unlike the two kernels. DQ_WORK 3 is the backward; 2, 1 and 0 leave
+    out, for timing only (dQ comes out wrong), the atomics, then dQ's matmul, then dSᵀ's store: what each costs."""
     gl.static_assert(STAGES >= 2, "a query tile's buffer is refilled once its matmuls are done: two keep one ahead")
     dtype: gl.constexpr = Q.dtype.element_ty
     pid_n = gl.program_id(0)
@@ -478,7 +479,6 @@ def _attn_bwd_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
 
     keys = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
     row_off = bh.to(gl.int64) * T
-    dq_acc = DQ_ACC + bh.to(gl.int64) * T_ACC * HEAD_DIM + _dq_fragment_offsets(BLOCK_M, HEAD_DIM, dq_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -504,18 +504,24 @@ def _attn_bwd_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # dV's matmul may still run
         dst = (pt * (dpt - delta[None, :])).to(dtype)
-        ds_smem.store(dst)
+        if DQ_WORK >= 1:
+            ds_smem.store(dst)
         dst_op = gl.convert_layout(dst, op_layout, assert_trivial=True)
         dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-        fence_async_shared()
-        gl.thread_barrier()  # every warpgroup's rows of dSᵀ stored before either reads all of them
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
-        dk, dv, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, pt_op, dst_op))
+        if DQ_WORK >= 2:
+            fence_async_shared()
+            gl.thread_barrier()  # every warpgroup's rows of dSᵀ stored before either reads all of them
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+            dk, dv, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, pt_op, dst_op))
+        else:
+            dk, dv, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt_op, dst_op))
         # every warpgroup done with buffer `stage` (and with dSᵀ) before one thread refills it (or any rewrites dSᵀ)
         gl.thread_barrier()
         _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, start_m + STAGES * BLOCK_M, i + STAGES, STAGES,
                     i + STAGES < n_tiles)
-        _red_add_v4(dq_acc + start_m * HEAD_DIM, dq)  # rows past T add zeros into the buffer's padding
+        if DQ_WORK >= 3:  # the addresses computed here, not hoisted: 32 live 64-bit pointers spilled at D = 128
+            dq_rows = DQ_ACC + (bh.to(gl.int64) * T_ACC + start_m) * HEAD_DIM
+            _red_add_v4(dq_rows + _dq_fragment_offsets(BLOCK_M, HEAD_DIM, dq_layout), dq)  # padding rows add zeros
 
     mbarrier.invalidate(kv_bars.index(0))
     for i in gl.static_range(STAGES):
@@ -552,8 +558,9 @@ KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "one": _att
 TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES}
 
 
-def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile) -> dict:
-    """Compile-time arguments of the "dkdv", "dq" or "one" (one-kernel backward) kernel at `tile`."""
+def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile, dq_work: int = 3) -> dict:
+    """Compile-time arguments of the "dkdv", "dq" or "one" (one-kernel backward; `dq_work` < 3: its timing-only
+    ablations) kernel at `tile`."""
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     block_m, block_n = (tile.own, tile.streamed) if kernel == "dq" else (tile.streamed, tile.own)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=tile.stages, CAUSAL=causal,
@@ -562,7 +569,7 @@ def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile
     if kernel != "one":
         return consts | dict(PIPELINED=tile.pipelined)
     assert not tile.pipelined and block_m >= 64, f"the one-kernel backward has no tile {tile}"
-    return consts | dict(DQ_SPLIT=tile.warps // min(tile.warps, block_m // 16),
+    return consts | dict(DQ_SPLIT=tile.warps // min(tile.warps, block_m // 16), DQ_WORK=dq_work,
                          DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gdtype))
 
 
@@ -598,9 +605,9 @@ def dq_and_delta(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile
     return dq, delta
 
 
-def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile):
+def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile, dq_work: int = 3):
     """dQ, dK and dV from the one-kernel backward: a δ pass, the kernel (dQ added into a zeroed fp32 buffer in
-    fragment order), then dQ put back in row order, scaled and cast."""
+    fragment order), then dQ put back in row order, scaled and cast. `dq_work` < 3: an ablation, for timing only."""
     B, H, T, D = q.shape
     _streamable(q, k, v, dout)
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
@@ -613,7 +620,7 @@ def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile):
     _attn_bwd_hopper[(triton.cdiv(T, tile.own), B * H)](
         q, k, v, dout, lse, delta, dk, dv, dq_acc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *dout.stride()[:3], *dk.stride()[:3], H, T, t_acc, scale * LOG2E, scale,
-        **launch_constants("one", D, q.dtype, causal, tile))
+        **launch_constants("one", D, q.dtype, causal, tile, dq_work))
     return dq_from_fragments(dq_acc, T, scale, q.dtype).view(B, H, T, D), dk, dv
 
 
@@ -667,12 +674,17 @@ def check(kernel: str, shape, causal: bool, tile: Tile, dtype=torch.bfloat16) ->
     return result
 
 
-def timed(shape, tiles: dict) -> dict:
+# the one-kernel backward's timing-only variants (`DQ_WORK`), each leaving out one more part of dQ's work
+ABLATIONS = {2: "without the atomics", 1: "without dQ's matmul either", 0: "without dSᵀ's store either"}
+
+
+def timed(shape, tiles: dict, ablate: bool = False) -> dict:
     """Milliseconds from CUDA graphs, causal: our Triton backward (dQ and dK/dV kernels), our Triton dK/dV kernel
-    alone, the Gluon kernels at each of their `tiles` ({"dkdv" | "dq" | "one": [Tile]}), and cuDNN's backward (its
-    forward+backward less its forward); and TFLOP/s: the backward's conventional 2.5x the forward's FLOPs (five
-    matmuls, as the one-kernel backward computes); the dK/dV kernels' four of them, the dQ kernels' three (they
-    recompute S and dP)."""
+    alone, the Gluon kernels at each of their `tiles` ({"dkdv" | "dq" | "one": [Tile]}; `ablate`: the one-kernel
+    backward's `ABLATIONS` after each of its tiles), and cuDNN's backward (its forward+backward less its forward);
+    and TFLOP/s: the backward's conventional 2.5x the forward's FLOPs (five matmuls, as the one-kernel backward
+    computes; its ablations are counted the same, so that they compare in time); the dK/dV kernels' four of them,
+    the dQ kernels' three (they recompute S and dP)."""
     B, H, T, D = shape
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse, key = forward_for_backward(q, k, v, True)
@@ -713,6 +725,9 @@ def timed(shape, tiles: dict) -> dict:
         runs[f"gluon-dq {tile}"] = (lambda t=tile: dq_and_delta(dout, q, k, v, out, lse, True, scale, t), 3)
     for tile in tiles.get("one", ()):
         runs[f"gluon-one-kernel {tile}"] = (lambda t=tile: one_kernel(dout, q, k, v, out, lse, True, scale, t), 5)
+        for work, left_out in ABLATIONS.items() if ablate else ():
+            runs[f"gluon-one-kernel {tile} {left_out}"] = (
+                lambda t=tile, w=work: one_kernel(dout, q, k, v, out, lse, True, scale, t, w), 5)
     row = {"shape": list(shape)}
     for name, (fn, _) in runs.items():
         row[name] = {"ms": ms(fn)}
@@ -732,6 +747,7 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("results/gluon-backward-h200.json"))
     parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
     parser.add_argument("--kernels", default="dkdv,dq,one", help="which Gluon kernels to check and time")
+    parser.add_argument("--ablate", action="store_true", help="time the one-kernel backward without parts of dQ's work")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     tiles = {kernel: TILES[kernel] for kernel in args.kernels.split(",")}
@@ -755,9 +771,9 @@ def main():
     for shape in shapes:
         D = shape[-1]
         row = timed(shape, {kernel: [t for t in by_head_dim[D] if passed[kernel, D, t]]
-                            for kernel, by_head_dim in tiles.items()})
+                            for kernel, by_head_dim in tiles.items()}, args.ablate)
         result["rows"].append(row)
-        print(f"{str(shape)}\n" + "".join(f"    {name:<40} {value['tflops']:6.0f} TFLOP/s  {value['ms']:.3f} ms\n"
+        print(f"{str(shape)}\n" + "".join(f"    {name:<56} {value['tflops']:6.0f} TFLOP/s  {value['ms']:.3f} ms\n"
                                           for name, value in row.items() if name != "shape"), flush=True)
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -13,7 +13,8 @@
 # pingpong: the sweep's pingpong tiles alone (two warpgroups taking turns), at the two 4096-token shapes
 # gluon-ab: our kernels' benchmark with the Gluon forward (as shipped on sm_90) and without (STABLEFLASH_GLUON=0)
 # gluon-bwd: the Gluon backward study's dQ and dK/dV kernels, checked then timed against ours and cuDNN's backward
-# gluon-one: the study's one-kernel backward (dQ by vector atomics), the same way (about 200 s at a77d100)
+# gluon-one: the study's one-kernel backward (dQ by vector atomics), the same way, and each tile without parts of
+#   dQ's work (timing only: what the atomics, dQ's matmul and dSᵀ's store each cost; about 200 s at a77d100 without)
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -69,7 +70,7 @@ for part in $parts; do
               tail -n 12 "$out"/gluon-ab/*.log ;;
     gluon-bwd) timeout 420 python3 benchmarks/gluon_backward.py --kernels dkdv,dq --out "$out/gluon-backward-h200.json" 2>&1 | grep -v Warning \
                  | tee "$out/gluon-backward.log" ;;
-    gluon-one) timeout 300 python3 benchmarks/gluon_backward.py --kernels one --out "$out/gluon-one-kernel-h200.json" 2>&1 \
+    gluon-one) timeout 450 python3 benchmarks/gluon_backward.py --kernels one --ablate --out "$out/gluon-one-kernel-h200.json" 2>&1 \
                  | grep -v Warning | tee "$out/gluon-one-kernel.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac

@@ -258,8 +258,9 @@ def test_gluon_backward_study_keeps_its_wgmmas_asynchronous(kernel):
 def test_gluon_one_kernel_backward_adds_dq_by_vector_atomics():
     """The study's one-kernel backward compiles for sm_90 at every tile it times: five matmuls per query tile (Sᵀ and
     dPᵀ, then dV, dK and dQ), ptxas keeps them asynchronous, dQ goes out by `red.global.add.v4.f32` (a quarter of
-    the scalar atomics), within the H200's shared memory. The kernel itself asserts, at compile time, that four
-    consecutive registers of dQ's accumulator are the group its buffer lays out side by side."""
+    the scalar atomics), within the H200's shared memory; its timing-only ablations drop what they say. The kernel
+    itself asserts, at compile time, that four consecutive registers of dQ's accumulator are the group its buffer
+    lays out side by side."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     study = _study("gluon_backward")
@@ -276,6 +277,11 @@ def test_gluon_one_kernel_backward_adds_dq_by_vector_atomics():
                 assert ptx.count("red.global.add.v4.f32") == groups_per_thread, (head_dim, str(tile))
                 assert "atom.global" not in ptx
                 assert resource_usage(compiled)["shared_bytes"] <= 232_448
+    # the timing-only ablations leave out the atomics, then dQ's matmul (and dSᵀ's store)
+    for work, matmuls in ((2, 5), (1, 4), (0, 4)):
+        consts = study.launch_constants("one", 64, torch.bfloat16, True, study.Tile(64, 64, 3), work)
+        ptx = compile_function(study.KERNELS["one"], consts, {"num_warps": 4}, source_type=GluonASTSource).asm["ptx"]
+        assert ptx.count("wgmma.commit_group") == matmuls and "red.global" not in ptx
 
 
 def test_one_kernel_dq_buffer_returns_to_row_order():
