@@ -519,7 +519,7 @@ def _attn_bwd_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
         gl.thread_barrier()
         _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, start_m + STAGES * BLOCK_M, i + STAGES, STAGES,
                     i + STAGES < n_tiles)
-        if DQ_WORK >= 3:  # the addresses computed here, not hoisted: 32 live 64-bit pointers spilled at D = 128
+        if DQ_WORK >= 3:  # addresses formed here, not before the loop: D = 128's spills 176 -> 88-104 bytes (64x64)
             dq_rows = DQ_ACC + (bh.to(gl.int64) * T_ACC + start_m) * HEAD_DIM
             _red_add_v4(dq_rows + _dq_fragment_offsets(BLOCK_M, HEAD_DIM, dq_layout), dq)  # padding rows add zeros
 
