@@ -12,7 +12,7 @@ past them by TMA through a ring of buffers:
 - `Tile(pipelined=True)`: the next tile's S and dP are issued with this tile's accumulating matmuls and waited for
   in the same iteration (FA3's order, as in the forward; a partial wait across the loop's back edge made ptxas
   serialise every wgmma of the forward study, C7514), so that the next tile's P and dS run under them.
-- The one-kernel backward ("one"; FA2's and FA3's layout): the dK/dV kernel that also computes each query tile's
+- The one-kernel backward ("one", the dK/dV kernel at `DQ_WORK` 3; FA2's and FA3's layout): it also computes each query tile's
   share of dQ, dS K, from dSᵀ in shared memory, and adds it into an fp32 buffer by vector atomics (four values per
   `red.global.add.v4.f32`: the buffer is laid out in the accumulator's fragment order); five matmuls per tile pair
   instead of the two kernels' seven, after a δ pass, before a pass that puts dQ back in row order.
@@ -138,19 +138,60 @@ def _probs(s, lse, queries, keys, T, qk_scale, masked, CAUSAL: gl.constexpr):
     return p
 
 
+@gluon.constexpr_function
+def _packs_row_pairs(layout):
+    """Whether four consecutive registers of a thread in `layout` (linear form) hold columns c, c+1 of rows r and
+    r+8: the group that `_dq_fragment_offsets` lays out contiguously and `_red_add_v4` adds in one instruction."""
+    return layout.reg_bases[:2] == [[0, 1], [8, 0]]
+
+
 @gluon.jit
-def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _dq_fragment_offsets(ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, LAYOUT: gl.constexpr):
+    """Where each element (r, c) of a (ROWS, HEAD_DIM) tile in a wgmma accumulator layout lives in the fp32 dQ
+    buffer, in fragment order: per block of 16 rows (r = 16a + 8b + g) and 8 columns (c = 8j + 2t + e), lane
+    4g + t's four values (e, b) side by side, the 32 lanes' groups in a row, so that one `red.v4` adds a group and a
+    warp's 32 of them cover 512 contiguous bytes. `dq_from_fragments` undoes the order."""
+    gl.static_assert(_packs_row_pairs(gl.to_linear_layout(LAYOUT, [ROWS, HEAD_DIM])),
+                     "dQ's atomics add four registers at a time: columns c, c+1 of rows r, r+8")
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))[:, None]
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))[None, :]
+    return (r // 16) * (16 * HEAD_DIM) + (c // 8) * 128 + ((r % 8) * 4 + (c % 8) // 2) * 4 + ((r // 8) % 2) * 2 + c % 2
+
+
+@gluon.jit
+def _red_add_v4(address, value):
+    """Adds each thread's groups of four consecutive registers of `value` (fp32) at the first one's address: one
+    `red.global.add.v4.f32` (sm_90) per group instead of four scalar atomics, relaxed, nothing returned (the dummy
+    result is what `inline_asm_elementwise` needs)."""
+    return gl.inline_asm_elementwise(
+        "red.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n"
+        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [address.to(gl.int64, bitcast=True), value], dtype=gl.int32, is_pure=False,
+        pack=4)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
                           stride_vt, stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
-                          H, T, qk_scale, scale,
+                          H, T, T_ACC, qk_scale, scale,
                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, PIPELINED: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                          KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                          CAUSAL: gl.constexpr, PIPELINED: gl.constexpr, DQ_WORK: gl.constexpr,
+                          DQ_SPLIT: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+                          DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """dK and dV for BLOCK_N keys (one warpgroup per 64), over the query tiles that see them. Per query tile i:
     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together, Pᵀ computed while dPᵀ runs, dSᵀ = Pᵀ (dPᵀ - δ) while dV += Pᵀ dO
     runs, then dK += dSᵀ Q. PIPELINED: tile i+1's Sᵀ and dPᵀ are issued with tile i's dV and dK matmuls, so that
-    Pᵀ and dSᵀ of tile i+1 run under those (FA3's order; more registers: two tiles' operands live)."""
+    Pᵀ and dSᵀ of tile i+1 run under those (FA3's order; more registers: two tiles' operands live).
+
+    DQ_WORK 3 makes it the one-kernel backward (FA2's and FA3's layout): per query tile also its share of dQ, dS K,
+    added into an fp32 buffer (DQ_ACC, (B·H, T_ACC, HEAD_DIM) in fragment order) by vector atomics; five matmuls
+    per tile pair instead of the two kernels' seven. dSᵀ goes through shared memory, where dQ's matmul reads it
+    transposed; dQ's accumulator splits its columns over DQ_SPLIT warpgroups when the query tile has fewer than 64
+    rows per warpgroup. Not deterministic (the atomics' order varies), unlike the two kernels. DQ_WORK 2 and 1 leave
+    out, for timing only (dQ comes out wrong), the atomics, then dQ's matmul too; 0 is the dK/dV kernel."""
     gl.static_assert(STAGES >= 2, "a query tile's buffer is refilled once its matmuls are done: two keep one ahead")
+    gl.static_assert(DQ_WORK == 0 or not PIPELINED, "the one-kernel backward has no pipelined schedule")
     dtype: gl.constexpr = Q.dtype.element_ty
     pid_n = gl.program_id(0)  # key tile: the first ones see the most query tiles, so the heaviest start first
     bh = gl.program_id(1)
@@ -166,11 +207,17 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV,
                                                        instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    # dQ's share (queries x head dim), for the one-kernel backward
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                        warps_per_cta=[num_warps // DQ_SPLIT, DQ_SPLIT],
+                                                        instr_shape=[16, HEAD_DIM // DQ_SPLIT, 16])
 
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    if DQ_WORK >= 1:
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
     kv_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bars.index(0), count=1)
@@ -192,6 +239,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV,
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    if DQ_WORK >= 2:
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     k_tile = k_smem.index(0)
     v_tile = v_smem.index(0)
     mbarrier.wait(kv_bars.index(0), 0)
@@ -254,13 +303,26 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV,
             pt_op = gl.convert_layout(pt.to(dtype), op_layout, assert_trivial=True)
             dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # dV's matmul may still run
-            dst_op = gl.convert_layout((pt * (dpt - delta[None, :])).to(dtype), op_layout, assert_trivial=True)
+            dst = (pt * (dpt - delta[None, :])).to(dtype)
+            if DQ_WORK >= 1:
+                ds_smem.store(dst)
+            dst_op = gl.convert_layout(dst, op_layout, assert_trivial=True)
             dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
             # everything of this tile retired before the next: its operands' registers and its buffer are free then
-            dk, dv, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt_op, dst_op))
-            gl.thread_barrier()  # every warpgroup done with buffer `stage` before one thread refills it
+            if DQ_WORK >= 2:
+                fence_async_shared()
+                gl.thread_barrier()  # every warpgroup's rows of dSᵀ stored before either reads all of them
+                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+                dk, dv, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, pt_op, dst_op))
+            else:
+                dk, dv, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt_op, dst_op))
+            # every warpgroup done with buffer `stage` (and with dSᵀ) before one thread refills it (or any rewrites dSᵀ)
+            gl.thread_barrier()
             _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, start_m + STAGES * BLOCK_M, i + STAGES, STAGES,
                         i + STAGES < n_tiles)
+            if DQ_WORK >= 3:  # addresses formed here, not before the loop: D = 128's spills 176 -> 88-104 bytes (64x64)
+                dq_rows = DQ_ACC + (bh.to(gl.int64) * T_ACC + start_m) * HEAD_DIM
+                _red_add_v4(dq_rows + _dq_fragment_offsets(BLOCK_M, HEAD_DIM, dq_layout), dq)  # padding rows add 0
 
     mbarrier.invalidate(kv_bars.index(0))
     for i in gl.static_range(STAGES):
@@ -384,150 +446,12 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, O, LSE, DELTA, DQ,
     _store_rows(DQ, bh, H, stride_gb, stride_gh, stride_gt, m0, dq * scale, T, BLOCK_M, HEAD_DIM, g_layout)
 
 
-@gluon.constexpr_function
-def _packs_row_pairs(layout):
-    """Whether four consecutive registers of a thread in `layout` (linear form) hold columns c, c+1 of rows r and
-    r+8: the group that `_dq_fragment_offsets` lays out contiguously and `_red_add_v4` adds in one instruction."""
-    return layout.reg_bases[:2] == [[0, 1], [8, 0]]
-
-
-@gluon.jit
-def _dq_fragment_offsets(ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, LAYOUT: gl.constexpr):
-    """Where each element (r, c) of a (ROWS, HEAD_DIM) tile in a wgmma accumulator layout lives in the fp32 dQ
-    buffer, in fragment order: per block of 16 rows (r = 16a + 8b + g) and 8 columns (c = 8j + 2t + e), lane
-    4g + t's four values (e, b) side by side, the 32 lanes' groups in a row, so that one `red.v4` adds a group and a
-    warp's 32 of them cover 512 contiguous bytes. `dq_from_fragments` undoes the order."""
-    gl.static_assert(_packs_row_pairs(gl.to_linear_layout(LAYOUT, [ROWS, HEAD_DIM])),
-                     "dQ's atomics add four registers at a time: columns c, c+1 of rows r, r+8")
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))[:, None]
-    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))[None, :]
-    return (r // 16) * (16 * HEAD_DIM) + (c // 8) * 128 + ((r % 8) * 4 + (c % 8) // 2) * 4 + ((r // 8) % 2) * 2 + c % 2
-
-
-@gluon.jit
-def _red_add_v4(address, value):
-    """Adds each thread's groups of four consecutive registers of `value` (fp32) at the first one's address: one
-    `red.global.add.v4.f32` (sm_90) per group instead of four scalar atomics, relaxed, nothing returned (the dummy
-    result is what `inline_asm_elementwise` needs)."""
-    return gl.inline_asm_elementwise(
-        "red.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n"
-        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;",
-        "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [address.to(gl.int64, bitcast=True), value], dtype=gl.int32, is_pure=False,
-        pack=4)
-
-
 @gluon.jit
 def _attn_bwd_delta_hopper(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, H, T,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
     """δ = rowsum(dO ∘ O) of BLOCK_M rows, for the one-kernel backward (which needs every query's δ from its start)."""
     _store_delta(O, DO, DELTA, gl.program_id(1), H, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
                  stride_dot, gl.program_id(0) * BLOCK_M, T, BLOCK_M, HEAD_DIM, num_warps)
-
-
-@gluon.jit
-def _attn_bwd_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
-                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
-                     stride_vt, stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
-                     H, T, T_ACC, qk_scale, scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_WORK: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                     KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
-    """The whole backward in one kernel (FA2's and FA3's layout): dK and dV for BLOCK_N keys as
-    `_attn_bwd_dkdv_hopper` computes them, and per query tile its share of dQ, dS K, added into an fp32 buffer
-    (DQ_ACC, (B·H, T_ACC, HEAD_DIM) in fragment order) by vector atomics: five matmuls per tile pair instead of the
-    two kernels' seven. dSᵀ goes through shared memory, where dQ's matmul reads it transposed; dQ's accumulator
-    splits its columns over DQ_SPLIT warpgroups when the query tile has fewer than 64 rows per warpgroup. Not
-    deterministic (the atomics' order varies), unlike the two kernels. DQ_WORK 3 is the backward; 2, 1 and 0 leave
-    out, for timing only (dQ comes out wrong), the atomics, then dQ's matmul, then dSᵀ's store: what each costs."""
-    gl.static_assert(STAGES >= 2, "a query tile's buffer is refilled once its matmuls are done: two keep one ahead")
-    dtype: gl.constexpr = Q.dtype.element_ty
-    pid_n = gl.program_id(0)
-    bh = gl.program_id(1)
-    q_desc, do_desc, k_desc, v_desc = _head_descs(
-        Q, K, V, DO, bh, H, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
-        stride_vt, stride_dob, stride_doh, stride_dot, T, BLOCK_M, BLOCK_N, HEAD_DIM, Q_LAYOUT, KV_LAYOUT)
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
-                                                        warps_per_cta=[num_warps // DQ_SPLIT, DQ_SPLIT],
-                                                        instr_shape=[16, HEAD_DIM // DQ_SPLIT, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
-    kv_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bars.index(0), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)
-
-    n0 = pid_n * BLOCK_N
-    lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    n_tiles = gl.cdiv(T - lo, BLOCK_M)
-    diag_end = gl.minimum(n0 + BLOCK_N, T) if CAUSAL else lo
-    free_end = (T // BLOCK_M) * BLOCK_M
-    _issue_rows(k_desc, v_desc, k_smem, v_smem, kv_bars, n0, 0, 1, True)
-    for i in gl.static_range(STAGES):
-        _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, lo + i * BLOCK_M, i, STAGES, i < n_tiles)
-
-    keys = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
-    row_off = bh.to(gl.int64) * T
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
-    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    k_tile = k_smem.index(0)
-    v_tile = v_smem.index(0)
-    mbarrier.wait(kv_bars.index(0), 0)
-
-    for i in range(n_tiles):
-        start_m = lo + i * BLOCK_M
-        stage = i % STAGES
-        mbarrier.wait(ready_bars.index(stage), (i // STAGES) & 1)
-        q_tile = q_smem.index(stage)
-        do_tile = do_smem.index(stage)
-        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse, delta = _query_stats(LSE, DELTA, row_off, queries, T)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-        pt = _probs(st, lse[None, :], queries[None, :], keys, T, qk_scale,
-                    (start_m < diag_end) | (start_m >= free_end), CAUSAL)
-        pt_op = gl.convert_layout(pt.to(dtype), op_layout, assert_trivial=True)
-        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # dV's matmul may still run
-        dst = (pt * (dpt - delta[None, :])).to(dtype)
-        if DQ_WORK >= 1:
-            ds_smem.store(dst)
-        dst_op = gl.convert_layout(dst, op_layout, assert_trivial=True)
-        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-        if DQ_WORK >= 2:
-            fence_async_shared()
-            gl.thread_barrier()  # every warpgroup's rows of dSᵀ stored before either reads all of them
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
-            dk, dv, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, pt_op, dst_op))
-        else:
-            dk, dv, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt_op, dst_op))
-        # every warpgroup done with buffer `stage` (and with dSᵀ) before one thread refills it (or any rewrites dSᵀ)
-        gl.thread_barrier()
-        _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, start_m + STAGES * BLOCK_M, i + STAGES, STAGES,
-                    i + STAGES < n_tiles)
-        if DQ_WORK >= 3:  # addresses formed here, not before the loop: D = 128's spills 176 -> 88-104 bytes (64x64)
-            dq_rows = DQ_ACC + (bh.to(gl.int64) * T_ACC + start_m) * HEAD_DIM
-            _red_add_v4(dq_rows + _dq_fragment_offsets(BLOCK_M, HEAD_DIM, dq_layout), dq)  # padding rows add zeros
-
-    mbarrier.invalidate(kv_bars.index(0))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready_bars.index(i))
-    _store_rows(DK, bh, H, stride_gb, stride_gh, stride_gt, n0, dk * scale, T, BLOCK_N, HEAD_DIM, g_layout)
-    _store_rows(DV, bh, H, stride_gb, stride_gh, stride_gt, n0, dv, T, BLOCK_N, HEAD_DIM, g_layout)
 
 
 class Tile(NamedTuple):
@@ -554,7 +478,7 @@ DQ_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 64, 3, True), Tile
 # the one-kernel backward: dQ's matmul needs 64 query rows per warpgroup, so no 32-row streamed tiles
 ONE_KERNEL_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 128, 2)],
                     128: [Tile(128, 64, 2), Tile(64, 64, 3), Tile(64, 64, 2)]}
-KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "one": _attn_bwd_hopper}
+KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "one": _attn_bwd_dkdv_hopper}
 TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES}
 
 
@@ -566,10 +490,12 @@ def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=tile.stages, CAUSAL=causal,
                   Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdtype),
                   KV_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype), num_warps=tile.warps)
-    if kernel != "one":
+    if kernel == "dq":
         return consts | dict(PIPELINED=tile.pipelined)
+    if kernel == "dkdv":
+        return consts | dict(PIPELINED=tile.pipelined, DQ_WORK=0, DQ_SPLIT=1, DS_LAYOUT=None)
     assert not tile.pipelined and block_m >= 64, f"the one-kernel backward has no tile {tile}"
-    return consts | dict(DQ_SPLIT=tile.warps // min(tile.warps, block_m // 16), DQ_WORK=dq_work,
+    return consts | dict(PIPELINED=False, DQ_WORK=dq_work, DQ_SPLIT=tile.warps // min(tile.warps, block_m // 16),
                          DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gdtype))
 
 
@@ -586,9 +512,9 @@ def dkdv(dout, q, k, v, lse, delta, causal: bool, scale: float, tile: Tile):
     dk = torch.empty_like(k)
     dv = torch.empty_like(dk, dtype=v.dtype)  # the kernel writes both through dK's strides
     grid = (triton.cdiv(T, tile.own), B * H)
-    _attn_bwd_dkdv_hopper[grid](q, k, v, dout, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                                *dout.stride()[:3], *dk.stride()[:3], H, T, scale * LOG2E, scale,
-                                **launch_constants("dkdv", D, q.dtype, causal, tile))
+    _attn_bwd_dkdv_hopper[grid](q, k, v, dout, lse, delta, dk, dv, dk, *q.stride()[:3], *k.stride()[:3],
+                                *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], H, T, 0, scale * LOG2E, scale,
+                                **launch_constants("dkdv", D, q.dtype, causal, tile))  # no dQ buffer: dK's stands in
     return dk, dv
 
 
@@ -617,7 +543,7 @@ def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile, 
     dq_acc = torch.zeros(B * H, t_acc, D, device=q.device, dtype=torch.float32)
     dk = torch.empty_like(k)
     dv = torch.empty_like(dk, dtype=v.dtype)
-    _attn_bwd_hopper[(triton.cdiv(T, tile.own), B * H)](
+    _attn_bwd_dkdv_hopper[(triton.cdiv(T, tile.own), B * H)](
         q, k, v, dout, lse, delta, dk, dv, dq_acc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *dout.stride()[:3], *dk.stride()[:3], H, T, t_acc, scale * LOG2E, scale,
         **launch_constants("one", D, q.dtype, causal, tile, dq_work))
