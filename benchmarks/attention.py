@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import time
 from pathlib import Path
 
 import torch
@@ -24,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.attention.triton import ops
 from stableflash.attention.triton.picks import TILE_PICKS
+from stableflash.benchmarking import parse_shapes, run_meta
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
@@ -87,7 +85,7 @@ def main():
     if args.summary is not None:
         print_summary(json.loads(args.summary.read_text())["rows"])
         return
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    shapes = parse_shapes(args.shapes, SHAPES)
     rows = []
     print(f"{'shape':<22}{'impl':<24}{'fwd':>10}{'fwd+bwd':>10}{'fwd graph':>11}{'f+b graph':>11}   TFLOP/s")
     for shape in shapes:
@@ -115,16 +113,13 @@ def main():
             print(f"{str(shape):<22}{name:<24}{_fmt(row['fwd_tflops']):>10}{_fmt(row['fwdbwd_tflops']):>10}"
                   f"{_fmt(row.get('fwd_tflops_cudagraph')):>11}{_fmt(row.get('fwdbwd_tflops_cudagraph')):>11}", flush=True)
 
-    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-            "commit": os.environ.get("STABLEFLASH_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None),
-            "dtype": "bf16", "causal": True, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
-            "flops": "fwd 4*B*H*T^2*D/2, fwd+bwd 3.5x",
-            "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed",
-            "fwdbwd_tflops_cudagraph": "forward+backward replayed from a CUDA graph: device time, no host work",
-            # on sm_90 our native forward is the Gluon kernel where `hopper.FORWARD_TILES` has a tile
-            "gluon_forward": ops.hopper is not None and ops.HOPPER_FORWARD and ops._is_hopper(torch.cuda.current_device())}
+    meta = run_meta() | {
+        "dtype": "bf16", "causal": True, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
+        "flops": "fwd 4*B*H*T^2*D/2, fwd+bwd 3.5x",
+        "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed",
+        "fwdbwd_tflops_cudagraph": "forward+backward replayed from a CUDA graph: device time, no host work",
+        # on sm_90 our native forward is the Gluon kernel where `hopper.FORWARD_TILES` has a tile
+        "gluon_forward": ops.hopper is not None and ops.HOPPER_FORWARD and ops._is_hopper(torch.cuda.current_device())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # which tile the autotuner picked for each launch of our kernels (key: kernel, candidates, T, dtype, switches)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "tile_picks": TILE_PICKS.state_dict()}, indent=2))

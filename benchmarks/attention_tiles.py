@@ -24,6 +24,7 @@ from stableflash import SFA
 from stableflash.attention.precision import PRESETS
 from stableflash.attention.stabilize import cache_key
 from stableflash.attention.triton import _kernel_key, ops
+from stableflash.benchmarking import parse_shapes
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 cfg = ops._cfg
@@ -198,7 +199,7 @@ def main():
     parser.add_argument("--parts", default="paths,tiles",
                         help="comma-separated: paths (call-path layers), tiles (every candidate tile)")
     args = parser.parse_args()
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    shapes = parse_shapes(args.shapes, SHAPES)
     parts = set(args.parts.split(","))
     rows = []
     for shape in shapes:

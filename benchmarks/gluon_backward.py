@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -51,6 +50,7 @@ from stableflash import flash_attention
 from stableflash.attention.precision import resolve
 from stableflash.attention.triton import kernels, ops
 from stableflash.attention.triton.spec import LOG2E, build_spec
+from stableflash.benchmarking import parse_shapes, run_meta
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
@@ -675,12 +675,10 @@ def main():
     parser.add_argument("--kernels", default="dkdv,dq,one", help="which Gluon kernels to check and time")
     parser.add_argument("--ablate", action="store_true", help="time the one-kernel backward without parts of dQ's work")
     args = parser.parse_args()
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    shapes = parse_shapes(args.shapes, SHAPES)
     tiles = {kernel: TILES[kernel] for kernel in args.kernels.split(",")}
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
-            "timing": "do_bench_cudagraph median, causal bf16",
-            "flops": "per matmul 2*B*H*T^2*D/2 (causal); backward 5 of them, dK/dV 4, dQ 3"}
+    meta = run_meta() | {"timing": "do_bench_cudagraph median, causal bf16",
+                         "flops": "per matmul 2*B*H*T^2*D/2 (causal); backward 5 of them, dK/dV 4, dQ 3"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "checks": [], "rows": []}
     passed = {}

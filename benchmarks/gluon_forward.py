@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +31,7 @@ from stableflash.attention.triton import ops
 from stableflash.attention.triton.hopper import Tile, _attn_fwd_hopper, constants, grid
 from stableflash.attention.triton.ops import ensure_scratch_allocator, tma_streamable
 from stableflash.attention.triton.spec import LOG2E, build_spec
+from stableflash.benchmarking import parse_shapes, run_meta
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
@@ -211,10 +210,8 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="the launch tiles of SWEEP_TILES instead of the study")
     parser.add_argument("--only", default="", help="with --sweep: only the tiles whose name contains this")
     args = parser.parse_args()
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
-            "timing": "do_bench_cudagraph median, forward only, causal bf16", "flops": "4*B*H*T^2*D/2"}
+    shapes = parse_shapes(args.shapes, SHAPES)
+    meta = run_meta() | {"timing": "do_bench_cudagraph median, forward only, causal bf16", "flops": "4*B*H*T^2*D/2"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # the baselines named "triton" must be the Triton forward: `flash_attention` would launch the Gluon kernel on
     # sm_90 where `hopper.FORWARD_TILES` says (at 693ebc9 it did, and the short-T sweep timed the kernel against

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ from stableflash import SFA
 from stableflash.attention.precision import resolve
 from stableflash.attention.triton import ops
 from stableflash.attention.triton.spec import build_spec
+from stableflash.benchmarking import parse_shapes, run_meta
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 # forward kernel -> (stabilizer, statistics)
@@ -93,15 +92,13 @@ def main():
     args = parser.parse_args()
     # the TMA switch's device-side descriptors need global scratch
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    shapes = parse_shapes(args.shapes, SHAPES)
     print(f"{'shape':<22}{'kernel':<14}{'tiles':<30}TFLOP/s base/variant per round, ratio")
     rows = []
     for shape in shapes:
         rows += study(shape)
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("STABLEFLASH_COMMIT"),
-                "timing": "do_bench_cudagraph median, causal bf16, the same tiles for base and variant",
-                "flops": "fwd 4*B*H*T^2*D/2, bwd 2.5x that"}
+        meta = run_meta() | {"timing": "do_bench_cudagraph median, causal bf16, the same tiles for base and variant",
+                             "flops": "fwd 4*B*H*T^2*D/2, bwd 2.5x that"}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

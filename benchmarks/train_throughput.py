@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from stableflash.attention.triton import ops
+from stableflash.benchmarking import run_meta
 from stableflash.train.config import load_config
 from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl
@@ -94,13 +93,9 @@ def main():
 
 
 def _meta(args) -> dict:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = os.environ.get("STABLEFLASH_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None)
-    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "commit": commit,
-            "shape": "GPT-2 S (12L/12H/768), T=1024, 16 sequences/step, bf16 autocast, "
-            + ("torch.compile" if args.compile else "eager"), "overrides": args.overrides,
-            "data": "embedded Shakespeare, byte-level (vocab 256)"}
+    return run_meta() | {"shape": "GPT-2 S (12L/12H/768), T=1024, 16 sequences/step, bf16 autocast, "
+                         + ("torch.compile" if args.compile else "eager"), "overrides": args.overrides,
+                         "data": "embedded Shakespeare, byte-level (vocab 256)"}
 
 
 def profile_steps(trainer: Trainer, warmup: int, steps: int) -> dict:

@@ -1,0 +1,41 @@
+"""What a benchmark script records about its run, and how it reads `--shapes`: one place for `benchmarks/`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_shapes(text: str | None, default) -> list[tuple[int, ...]]:
+    """`"B,H,T,D;B,H,T,D"` as tuples of ints; `default` when none are given."""
+    if not text:
+        return list(default)
+    return [tuple(int(x) for x in shape.split(",")) for shape in text.split(";")]
+
+
+def commit() -> str | None:
+    """`STABLEFLASH_COMMIT` (the GPU machine gets a copy of the working tree, not the repository), else the HEAD of
+    the checkout this package runs from, else None."""
+    if os.environ.get("STABLEFLASH_COMMIT"):
+        return os.environ["STABLEFLASH_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def run_meta() -> dict:
+    """The GPU, torch, Triton, date and commit of this run (a script adds its own fields with `|`)."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+            "triton": triton_version, "date": time.strftime("%Y-%m-%d"), "commit": commit()}
