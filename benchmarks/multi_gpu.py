@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from stableflash.benchmarking import commit
 from stableflash.train.checkpoint import load_checkpoint
 from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl
@@ -258,7 +259,7 @@ def main():
     result = {"meta": {"gpus": [torch.cuda.get_device_name(i) for i in range(args.gpus)] if on_gpu else None,
                        "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None,
                        "date": time.strftime("%Y-%m-%d"), "overrides": args.overrides,
-                       "commit": os.environ.get("STABLEFLASH_COMMIT"), "world": args.gpus,
+                       "commit": commit(), "world": args.gpus,
                        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                               "NVSHMEM_DISABLE_NVLS")}}}
     for name in args.parts.split(","):
