@@ -97,19 +97,20 @@ def _dot(a, b, acc, OPS_FP32: tl.constexpr):
 def _sfa_max(rm, repeated, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
              BOUNDED: tl.constexpr, ROUND_UP_BF16: tl.constexpr):
     """SFA's row maximum m from the tile maximum rm and whether the row repeats it (see stabilize.SFA)."""
-    paper = tl.where(repeated & (rm > 0), BETA * rm, rm)
-    paper = tl.where(repeated & (rm < 0), 0.0, paper)
     if BOUNDED:
-        finite = (rm == rm) & (tl.abs(rm) < float("inf"))
-        safe = tl.where(finite, rm, 0.0)
-        shift = tl.minimum(tl.maximum(paper - rm, LOW), HIGH)
-        m = safe + tl.where(finite, shift, LOW)
+        # the paper's shift m - rm ((beta - 1) rm, or -rm below 0), kept in [LOW, HIGH] and checked after rounding.
+        # A repeated maximum is finite or +inf (near-max tests are false on NaN and -inf); +inf's shift is NaN, and
+        # its m fails the final test as a non-finite rm fails the reference's: one test in place of a finiteness one
+        shift = tl.where(rm > 0, BETA * rm, 0.0) - rm
+        m = rm + tl.minimum(tl.maximum(shift, LOW), HIGH)
         if ROUND_UP_BF16:
             m = _round_up_bf16(m)
-        actual = m - safe
-        usable = repeated & finite & (actual >= LOW) & (actual <= HIGH)
-        paper = tl.where(usable, m, rm)
-    return paper
+        actual = m - rm
+        m = tl.where(repeated & (actual >= LOW) & (actual <= HIGH), m, rm)
+    else:
+        m = tl.where(repeated & (rm > 0), BETA * rm, rm)
+        m = tl.where(repeated & (rm < 0), 0.0, m)
+    return m
 
 
 @triton.jit
