@@ -17,10 +17,6 @@ past them by TMA through a ring of buffers:
   `red.global.add.v4.f32`: the buffer is laid out in the accumulator's fragment order); five matmuls per tile pair
   instead of the two kernels' seven, after a δ pass, before a pass that puts dQ back in row order.
 
-- The one-kernel layout in Triton ("triton-one"): our own dK/dV kernel (`kernels._attn_bwd_dkdv`, DQ_ATOMIC) adds
-  each query tile's dS K into fp32 rows by a TMA reduction (`cp.reduce.async.bulk.tensor`, through Triton's
-  descriptor `atomic_add`), or by one atomic per element; after a pass that computes δ and zeroes those rows.
-
 Measured on the H200 (RESULTS.md, session 13): every tile passes its checks; the Gluon dK/dV kernel ties ours, the
 Gluon dQ kernel is up to 16% slower, and the one-kernel backward is 2-37% slower than our two Triton kernels (at
 D = 128 it spills). So `ops` keeps the Triton backward.
@@ -483,36 +479,7 @@ DQ_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 64, 3, True), Tile
 ONE_KERNEL_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 128, 2)],
                     128: [Tile(128, 64, 2), Tile(64, 64, 3), Tile(64, 64, 2)]}
 KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "one": _attn_bwd_dkdv_hopper}
-
-
-class TritonTile(NamedTuple):
-    """The Triton one-kernel backward (`ops.backward(one_kernel=...)`, kind "triton-one"): our dK/dV kernel at a tile
-    (query rows streamed, own keys, warps, stages), adding dQ by "tma" reductions or per-element "pointers" atomics,
-    its streamed rows loaded by TMA or through pointers."""
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int
-    atomics: str = "tma"
-    tma_loads: bool = False
-
-    def config(self) -> triton.Config:
-        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "TMA": self.tma_loads},
-                             num_warps=self.warps, num_stages=self.stages)
-
-    def __str__(self):
-        return (f"{self.block_m}x{self.block_n}/{self.stages}st/{self.warps}w/dq-{self.atomics}"
-                f"{'/tma-loads' if self.tma_loads else ''}")
-
-
-# compiled offline for sm_90 first: no spills at D = 64; at D = 128, 40-280 bytes (dQ's share beside dK, dV)
-TRITON_ONE_TILES = {64: [TritonTile(64, 128, 8, 3), TritonTile(64, 128, 8, 3, "pointers"), TritonTile(64, 64, 4, 3),
-                         TritonTile(64, 64, 4, 3, "pointers"), TritonTile(32, 64, 4, 3), TritonTile(64, 128, 8, 2)],
-                    128: [TritonTile(64, 128, 8, 2), TritonTile(64, 128, 8, 2, tma_loads=True),
-                          TritonTile(64, 128, 8, 2, "pointers"), TritonTile(64, 64, 4, 2, tma_loads=True),
-                          TritonTile(64, 64, 4, 3, tma_loads=True), TritonTile(32, 64, 4, 3),
-                          TritonTile(64, 128, 8, 3)]}
-TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES, "triton-one": TRITON_ONE_TILES}
+TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES}
 
 
 def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile, dq_work: int = 3) -> dict:
@@ -583,12 +550,6 @@ def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile, 
     return dq_from_fragments(dq_acc, T, scale, q.dtype).view(B, H, T, D), dk, dv
 
 
-def triton_one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: TritonTile, key: str):
-    """dQ, dK and dV from our Triton dK/dV kernel adding dQ itself (`ops.backward(one_kernel=...)`)."""
-    return ops.backward(dout, q, k, v, out, lse, causal, scale, key, tiles=(tile.config(), None),
-                        one_kernel=tile.atomics)
-
-
 def dq_from_fragments(dq_acc, T: int, scale: float, dtype):
     """The fp32 dQ buffer of `_dq_fragment_offsets` back in row order: per 16 rows (a, b, g) and 8 columns (j, t, e),
     stored as (a, j, g, t, b, e); the first T rows, scaled, in `dtype`."""
@@ -610,11 +571,9 @@ def check(kernel: str, shape, causal: bool, tile: Tile, dtype=torch.bfloat16) ->
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype, generator=g) for _ in range(4))
     scale = shape[-1] ** -0.5
-    out, lse, key = forward_for_backward(q, k, v, causal)
+    out, lse, _ = forward_for_backward(q, k, v, causal)
     delta = (dout.float() * out.float()).sum(-1)
-    if kernel == "triton-one":
-        ours = dict(zip(("dq", "dk", "dv"), triton_one_kernel(dout, q, k, v, out, lse, causal, scale, tile, key)))
-    elif kernel == "dkdv":
+    if kernel == "dkdv":
         ours = dict(zip(("dk", "dv"), dkdv(dout, q, k, v, lse, delta, causal, scale, tile)))
     elif kernel == "one":
         ours = dict(zip(("dq", "dk", "dv"), one_kernel(dout, q, k, v, out, lse, causal, scale, tile)))
@@ -666,7 +625,7 @@ def timed(shape, tiles: dict, ablate: bool = False) -> dict:
         dk = torch.empty_like(k)
         dv = torch.empty_like(dk)
         ops._launch(ops._dkdv_either if either else ops._dkdv, kernels._attn_bwd_dkdv,
-                    lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H), q, k, v, dout, lse, delta, dk, dv, dv,
+                    lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H), q, k, v, dout, lse, delta, dk, dv,
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], H, T,
                     scale * LOG2E, scale, spec.logical_m, HEAD_DIM=D, CAUSAL=True, **meta, **dkdv_meta)
 
@@ -695,9 +654,6 @@ def timed(shape, tiles: dict, ablate: bool = False) -> dict:
         for work, left_out in ABLATIONS.items() if ablate else ():
             runs[f"gluon-one-kernel {tile} {left_out}"] = (
                 lambda t=tile, w=work: one_kernel(dout, q, k, v, out, lse, True, scale, t, w), 5)
-    for tile in tiles.get("triton-one", ()):
-        runs[f"triton-one-kernel {tile}"] = (
-            lambda t=tile: triton_one_kernel(dout, q, k, v, out, lse, True, scale, t, key), 5)
     row = {"shape": list(shape)}
     for name, (fn, _) in runs.items():
         row[name] = {"ms": ms(fn)}
@@ -716,8 +672,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/gluon-backward-h200.json"))
     parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
-    parser.add_argument("--kernels", default="dkdv,dq,one",
-                        help="which kernels to check and time: dkdv, dq, one (Gluon), triton-one")
+    parser.add_argument("--kernels", default="dkdv,dq,one", help="which Gluon kernels to check and time")
     parser.add_argument("--ablate", action="store_true", help="time the one-kernel backward without parts of dQ's work")
     args = parser.parse_args()
     shapes = parse_shapes(args.shapes, SHAPES)

@@ -55,20 +55,6 @@ def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("atomics, instruction", [(1, "cp.reduce.async.bulk.tensor"), (2, "red.global")])
-def test_one_kernel_dkdv_adds_dq_by_the_chosen_atomics(atomics, instruction):
-    """The dK/dV kernel's DQ_ATOMIC study layout compiles for sm_90 with dQ's reduction as asked (TMA bulk
-    reductions, or a relaxed per-element `red`), its wgmmas asynchronous, without spills at D = 64."""
-    key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, 4096))
-    config = ops._cfg(64, 128, 8, 3)
-    compiled = compile_kernel("dkdv", {**constexprs(key, "dkdv", 64, config), "DQ_ATOMIC": atomics}, config)
-    ptx = compiled.asm["ptx"]
-    assert instruction in ptx and offline.wgmma_serialization(compiled) is None
-    assert ptx.count("wgmma.commit_group") > _ptx("fa2", None, "dkdv", config).count("wgmma.commit_group")
-    assert resource_usage(compiled)["spill_stack_bytes"] == 0
-
-
-@pytest.mark.slow
 def test_offline_compile_specialises_like_a_launch():
     """Without the launch's alignment hints Triton loads scalars and skips the cp.async pipeline, and the resource
     figures describe code the GPU never runs (they did until 2026-11-30)."""

@@ -500,37 +500,3 @@ def test_ops_trace_without_graph_breaks(layout, precision, D, path, monkeypatch)
             assert rel_err(b.cpu(), a.cpu()) < 1e-2
         else:  # the same kernel and tile (emulation has one tile): the same bits
             assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("atomics", ["tma", "pointers"])
-def test_one_kernel_backward_adds_dq_by_tma_reductions(causal, atomics):
-    """The study layout `ops.backward(one_kernel=True)`: the dK/dV kernel also adds dQ by TMA reductions into fp32
-    rows. dK and dV bit for bit as the two kernels give them (the same tile does the same work); dQ, summed in
-    another order, within twice the reference's error against fp64, on a ragged T and a model's strided heads."""
-    import triton
-
-    from stableflash.attention.triton import ops
-    from stableflash.attention.triton.spec import build_spec
-
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=DEVICE))
-    B, T, H, D = 2, 77, 3, (16 if INTERPRET else 64)
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    qkv, dout = (torch.randn(B, T, n * H * D, generator=g).to(torch.bfloat16).to(DEVICE) for n in (3, 1))
-    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
-    dout = dout.view(B, T, H, D).transpose(1, 2)
-    key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, T))
-    tile = ops._cfg(32, 64, 4, 2)  # dK/dV: BLOCK_N % BLOCK_M == 0, several query tiles per key tile
-    out, _, lse, _, _ = ops.forward(q, k, v, causal, D**-0.5, key, False, 0.0, tile=ops._cfg(64, 64, 4, 2))
-    two = ops.backward(dout, q, k, v, out, lse, causal, D**-0.5, key, tiles=(tile, ops._cfg(64, 64, 4, 2)))
-    one = ops.backward(dout, q, k, v, out, lse, causal, D**-0.5, key, tiles=(tile, None), one_kernel=atomics)
-    for name, a, b in zip(["dk", "dv"], two[1:], one[1:]):
-        assert torch.equal(a, b), name
-    assert one[0].stride() == two[0].stride()
-    f64, (q64, k64, v64) = _fp64(q, k, v, causal)
-    exact = torch.autograd.grad(f64(q64, k64, v64), q64, dout.detach().cpu().double())[0]
-    ref = _run(lambda a, b, c: flash_attention(a, b, c, causal=causal, backend="reference"),
-               *(t.detach().cpu().requires_grad_() for t in (q, k, v)), dout.cpu())[1]
-    _assert_within_twice_the_reference("dq", one[0], ref, exact, torch.bfloat16)
-    with pytest.raises(ValueError, match="one_kernel"):
-        ops.backward(dout, q, k, v, out, lse, causal, D**-0.5, key, tiles=(None, None), one_kernel=atomics)

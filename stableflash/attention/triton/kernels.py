@@ -538,35 +538,13 @@ def _attn_bwd_delta_dpp(
 
 
 @triton.jit
-def _attn_bwd_delta(
-    O, DO, DELTA, DQ_ACC,
-    stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, H, T,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """δ = rowsum(dO * O) (native) for one tile of rows, and those rows of the fp32 dQ accumulator zeroed: the pass
-    before the dK/dV kernel adds dQ itself (`_attn_bwd_dkdv`'s DQ_ATOMIC)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o = _load_rows(O + _head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
-    do = _load_rows(DO + _head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
-    row_off = bh.to(tl.int64) * T
-    tl.store(DELTA + row_off + offs_m, _row_delta(o, do, False, 0, 0, 0), mask=offs_m < T)
-    rows = (row_off + offs_m)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(DQ_ACC + rows, tl.zeros((BLOCK_M, HEAD_DIM), tl.float32), mask=offs_m[:, None] < T)
-
-
-@triton.jit
 def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt, stride_dot, qk_scale,
                dk, dv, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                EMU: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
                R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr, R_DP: tl.constexpr,
                R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
-               TMA: tl.constexpr = False, DQ_ACC=None, scale=1.0, DQ_ATOMIC: tl.constexpr = 0):
-    """One query tile's share of dK and dV; Q and dO are the head's tensor descriptors under TMA, else pointers.
-    With DQ_ATOMIC (native only) also its share of dQ, scale·dS K, added to the head's fp32 rows DQ_ACC (the
-    five-matmul layout: no separate dQ kernel recomputing S and dP): 1 by a TMA reduction through a descriptor,
-    2 by an atomic per element through a pointer."""
+               TMA: tl.constexpr = False):
+    """One query tile's share of dK and dV; Q and dO are the head's tensor descriptors under TMA, else pointers."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _tile_rows(Q, q_off, start_m, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
     do = _tile_rows(DO, do_off, start_m, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
@@ -585,33 +563,23 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
     if OPS_FP32:
         dk = _dot(_round(dst, R_DS_OP), q, dk, True)
     else:
-        ds_op = _cast(dst, q.dtype)
-        dk = _dot(ds_op, q, dk, False)
-        if DQ_ATOMIC:
-            dq = _dot(tl.trans(ds_op), k, tl.zeros((BLOCK_M, HEAD_DIM), tl.float32), False) * scale
-            if DQ_ATOMIC == 1 and not _INTERPRET:  # the interpreter has no TMA reductions
-                DQ_ACC.atomic_add([start_m, 0], dq)
-            else:  # DQ_ACC: the head's first row; one fp32 atomic per element (red.global.add)
-                rows = DQ_ACC + offs_m[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-                tl.atomic_add(rows, dq, mask=offs_m[:, None] < T, sem="relaxed")
+        dk = _dot(_cast(dst, q.dtype), q, dk, False)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+    Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, T, qk_scale, scale, LQ,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EMU: tl.constexpr, OPS_FP32: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
-    R_DV: tl.constexpr, R_DK: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    R_DV: tl.constexpr, R_DK: tl.constexpr, TMA: tl.constexpr,
 ):
     """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it.
-    Under TMA (native path; docs/kernel-notes.md): Q and dO tiles by tensor descriptors. With DQ_ATOMIC (native
-    only; see `_dkdv_tile`) it adds dQ too, into DQ_ACC: fp32 (B*H*T, HEAD_DIM) rows zeroed beforehand
-    (`_attn_bwd_delta`), in an order that varies from run to run (the sum is not bitwise deterministic)."""
+    Under TMA (native path; docs/kernel-notes.md): Q and dO tiles by tensor descriptors."""
     qk_scale, scale = _fp32(qk_scale), _fp32(scale)
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -629,24 +597,21 @@ def _attn_bwd_dkdv(
     if not EMU:
         QS = _head_rows(Q, q_off, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
         DOS = _head_rows(DO, do_off, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
-        DQS = DQ_ACC + row_off * HEAD_DIM
-        if DQ_ATOMIC == 1 and not _INTERPRET:  # rows past T are dropped by the descriptor's bounds
-            DQS = tl.make_tensor_descriptor(DQS, [T, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
         free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
         for start_m in range(lo, diag_end, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, False, False,
-                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA, DQS, scale, DQ_ATOMIC)
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA)
         for start_m in range(diag_end, free_end, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, False, False, False,
-                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA, DQS, scale, DQ_ATOMIC)
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA)
         for start_m in range(free_end, T, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, False, False,
-                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA, DQS, scale, DQ_ATOMIC)
+                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, TMA)
         dk = dk * scale
     else:
         # accumulate each logical query tile in fp32, then round and add it as the reference does

@@ -265,7 +265,7 @@ def _meta(key: str):
     else:
         dq = dict(DELTA_HERE=True, R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"],
                   R_DQ=codes["R_DQ"])
-    dkdv = dict(R_P_OP=codes["R_P_OP"], R_DV=codes["R_DV"], R_DK=codes["R_DK"], DQ_ATOMIC=0)
+    dkdv = dict(R_P_OP=codes["R_P_OP"], R_DV=codes["R_DV"], R_DK=codes["R_DK"])
     return spec, fwd, delta, bwd, dkdv, dq
 
 
@@ -381,18 +381,12 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
 
 
 def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, tiles=(None, None), launch=_launch,
-             one_kernel: str | None = None, **variants):
+             **variants):
     """dQ, dK, dV (each in its input's memory order); `tiles` = (dK/dV config, dQ config) forces the tiles
     instead of autotuning (benchmarks). `variants`: the dQ and dK/dV kernels' study switches (`TMA`;
-    benchmarks/kernel_switches.py). Without either, at D >= 128 the autotuner also chooses the load path.
-    `one_kernel` "tma" or "pointers" (native specs, with the dK/dV tile in `tiles[0]`; a study:
-    benchmarks/one_kernel_backward.py): the dK/dV kernel adds dQ by TMA reductions or per-element atomics instead of
-    a dQ kernel recomputing S and dP (run to run, dQ's fp32 sums then differ in their last bits)."""
+    benchmarks/kernel_switches.py). Without either, at D >= 128 the autotuner also chooses the load path."""
     spec, _, delta_meta, meta, dkdv_meta, dq_meta = _meta(key)
     meta = {**meta, **variants}
-    if one_kernel:
-        return _backward_one_kernel(dout, q, k, v, o_saved, lse, causal, scale, spec, meta, dkdv_meta, tiles[0],
-                                    one_kernel)
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
     either = _choose_load_path(meta, spec, D, any(t is not None for t in tiles) or bool(variants), q, k, v, dout)
@@ -411,40 +405,8 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
            q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
     launch(_dkdv_either if either else _dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
-           q, k, v, dout, lse, delta, dk, dv, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
+           q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
-    return dq, dk, dv
-
-
-_DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4)
-
-
-def _backward_one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, spec: KernelSpec, meta: dict,
-                         dkdv_meta: dict, tile: triton.Config, atomics: str):
-    """`backward(one_kernel=...)`: δ with dQ's fp32 accumulator zeroed, then dK, dV and dQ in one kernel, then dQ
-    in the inputs' dtype. `atomics`: "tma" (bulk reductions of a tile) or "pointers" (one per element)."""
-    if spec.emu or spec.ops_fp32 or spec.delta_dpp:
-        raise ValueError("one_kernel: only the native specs (fa2 numerics, δ = rowsum(dO * O)) have it")
-    if tile is None:
-        raise ValueError("one_kernel: give the dK/dV tile (tiles[0]); it is not autotuned")
-    q, k, v, dout, out = (_last_dim_contiguous(t) for t in (q, k, v, dout, out))
-    B, H, T, D = q.shape
-    ensure_scratch_allocator()  # the dQ accumulator's descriptors are made in the kernel
-    delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    dq_acc = torch.empty(B, H, T, D, dtype=torch.float32, device=q.device)
-    _launch(None, kernels._attn_bwd_delta, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H), out, dout, delta, dq_acc,
-            *_strides(out), *_strides(dout), H, T, HEAD_DIM=D, config=_DELTA_CONFIG)
-    dk = empty_in_layout_of(k, k.dtype)
-    dv = empty_in_layout_of(k, v.dtype)
-    _launch(None, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
-            q, k, v, dout, lse, delta, dk, dv, dq_acc, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-            *_strides(dk), H, T, scale * LOG2E, scale, spec.logical_m, HEAD_DIM=D, CAUSAL=causal,
-            **{**meta, "TMA": tile.kwargs.get("TMA", meta["TMA"])},
-            **{**dkdv_meta, "DQ_ATOMIC": 2 if atomics == "pointers" else 1},
-            config=triton.Config({n: x for n, x in tile.kwargs.items() if n != "TMA"}, num_warps=tile.num_warps,
-                                 num_stages=tile.num_stages))
-    dq = empty_in_layout_of(q, q.dtype)
-    dq.copy_(dq_acc)
     return dq, dk, dv
 
 
