@@ -17,6 +17,11 @@ past them by TMA through a ring of buffers:
   `red.global.add.v4.f32`: the buffer is laid out in the accumulator's fragment order); five matmuls per tile pair
   instead of the two kernels' seven, after a δ pass, before a pass that puts dQ back in row order.
 
+- The same with dQ's reduction on a warp of its own ("one-ws", `_attn_bwd_one_ws_hopper`; FA3's dQ warp): the math
+  warps (240 registers each, `gl.warp_specialize`) put each query tile's dQ share into a ring of fp32 buffers in
+  shared memory and go on; a reducer warp (32 registers) adds each buffer into dQ's fp32 rows by `red.v4` and
+  releases it. Session 14 measured that without the atomics the one-kernel backward beats cuDNN's at T >= 4096.
+
 Measured on the H200 (RESULTS.md, session 13): every tile passes its checks; the Gluon dK/dV kernel ties ours, the
 Gluon dQ kernel is up to 16% slower, and the one-kernel backward is 2-37% slower than our two Triton kernels (at
 D = 128 it spills). So `ops` keeps the Triton backward.
@@ -171,6 +176,51 @@ def _red_add_v4(address, value):
 
 
 @gluon.jit
+def _dkdv_step(i, start_m, n_tiles, k_tile, v_tile, q_desc, do_desc, q_smem, do_smem, ready_bars, ds_smem, LSE, DELTA,
+               row_off, keys, T, qk_scale, diag_end, free_end, dk, dv, s_zero, dq_zero, BLOCK_M: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_WORK: gl.constexpr, col_layout: gl.constexpr,
+               op_layout: gl.constexpr):
+    """Query tile i (rows from start_m) of the unpipelined dK/dV schedule: Sᵀ and dPᵀ issued together, Pᵀ while dPᵀ
+    runs, dV += Pᵀ dO issued, dSᵀ while it runs, dK += dSᵀ Q; with DQ_WORK >= 2 also dQ's share dS K (dSᵀ through
+    shared memory, read transposed). Everything retires before buffer i % STAGES is refilled with tile i + STAGES.
+    Returns dK, dV and dQ's share (`dq_zero` when there is none)."""
+    dtype: gl.constexpr = q_smem.dtype
+    stage = i % STAGES
+    mbarrier.wait(ready_bars.index(stage), (i // STAGES) & 1)
+    q_tile = q_smem.index(stage)
+    do_tile = do_smem.index(stage)
+    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+    lse, delta = _query_stats(LSE, DELTA, row_off, queries, T)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    pt = _probs(st, lse[None, :], queries[None, :], keys, T, qk_scale, (start_m < diag_end) | (start_m >= free_end),
+                CAUSAL)
+    pt_op = gl.convert_layout(pt.to(dtype), op_layout, assert_trivial=True)
+    dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # dV's matmul may still run
+    dst = (pt * (dpt - delta[None, :])).to(dtype)
+    if DQ_WORK >= 1:
+        ds_smem.store(dst)
+    dst_op = gl.convert_layout(dst, op_layout, assert_trivial=True)
+    dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+    # everything of this tile retired before the next: its operands' registers and its buffer are free then
+    dq = dq_zero
+    if DQ_WORK >= 2:
+        fence_async_shared()
+        gl.thread_barrier()  # every warpgroup's rows of dSᵀ stored before either reads all of them
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+        dk, dv, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, pt_op, dst_op))
+    else:
+        dk, dv, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt_op, dst_op))
+    # every warpgroup done with buffer `stage` (and with dSᵀ) before one thread refills it (or any rewrites dSᵀ)
+    gl.thread_barrier()
+    _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, start_m + STAGES * BLOCK_M, i + STAGES, STAGES,
+                i + STAGES < n_tiles)
+    return dk, dv, dq
+
+
+@gluon.jit
 def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
                           stride_vt, stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
@@ -216,6 +266,7 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    ds_smem = k_smem  # stands in when dQ's work leaves dSᵀ in registers
     if DQ_WORK >= 1:
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
     kv_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -239,6 +290,7 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = s_zero  # stands in when there is no dQ matmul
     if DQ_WORK >= 2:
         dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     k_tile = k_smem.index(0)
@@ -289,37 +341,9 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     else:
         for i in range(n_tiles):
             start_m = lo + i * BLOCK_M
-            stage = i % STAGES
-            mbarrier.wait(ready_bars.index(stage), (i // STAGES) & 1)
-            q_tile = q_smem.index(stage)
-            do_tile = do_smem.index(stage)
-            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-            lse, delta = _query_stats(LSE, DELTA, row_off, queries, T)
-            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-            pt = _probs(st, lse[None, :], queries[None, :], keys, T, qk_scale,
-                        (start_m < diag_end) | (start_m >= free_end), CAUSAL)
-            pt_op = gl.convert_layout(pt.to(dtype), op_layout, assert_trivial=True)
-            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))  # dV's matmul may still run
-            dst = (pt * (dpt - delta[None, :])).to(dtype)
-            if DQ_WORK >= 1:
-                ds_smem.store(dst)
-            dst_op = gl.convert_layout(dst, op_layout, assert_trivial=True)
-            dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-            # everything of this tile retired before the next: its operands' registers and its buffer are free then
-            if DQ_WORK >= 2:
-                fence_async_shared()
-                gl.thread_barrier()  # every warpgroup's rows of dSᵀ stored before either reads all of them
-                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
-                dk, dv, dq, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, pt_op, dst_op))
-            else:
-                dk, dv, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pt_op, dst_op))
-            # every warpgroup done with buffer `stage` (and with dSᵀ) before one thread refills it (or any rewrites dSᵀ)
-            gl.thread_barrier()
-            _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, start_m + STAGES * BLOCK_M, i + STAGES, STAGES,
-                        i + STAGES < n_tiles)
+            dk, dv, dq = _dkdv_step(i, start_m, n_tiles, k_tile, v_tile, q_desc, do_desc, q_smem, do_smem, ready_bars,
+                                    ds_smem, LSE, DELTA, row_off, keys, T, qk_scale, diag_end, free_end, dk, dv,
+                                    s_zero, dq_zero, BLOCK_M, STAGES, CAUSAL, DQ_WORK, col_layout, op_layout)
             if DQ_WORK >= 3:  # addresses formed here, not before the loop: D = 128's spills 176 -> 88-104 bytes (64x64)
                 dq_rows = DQ_ACC + (bh.to(gl.int64) * T_ACC + start_m) * HEAD_DIM
                 _red_add_v4(dq_rows + _dq_fragment_offsets(BLOCK_M, HEAD_DIM, dq_layout), dq)  # padding rows add 0
@@ -329,6 +353,129 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
         mbarrier.invalidate(ready_bars.index(i))
     _store_rows(DK, bh, H, stride_gb, stride_gh, stride_gt, n0, dk * scale, T, BLOCK_N, HEAD_DIM, g_layout)
     _store_rows(DV, bh, H, stride_gb, stride_gh, stride_gt, n0, dv, T, BLOCK_N, HEAD_DIM, g_layout)
+
+
+@gluon.jit
+def _one_ws_math(q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bars, ready_bars, dq_full,
+                 dq_empty, LSE, DELTA, DK, DV, bh, H, stride_gb, stride_gh, stride_gt, T, qk_scale, scale, n0, lo,
+                 n_tiles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr):
+    """The math warps of the warp-specialized one-kernel backward: `_dkdv_step` per query tile, then dQ's share
+    stored into the ring buffer i % DQ_STAGES, handed to the reducer warp (`_dq_reducer`), and on to the next tile."""
+    num_warps: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                        warps_per_cta=[num_warps // DQ_SPLIT, DQ_SPLIT],
+                                                        instr_shape=[16, HEAD_DIM // DQ_SPLIT, 16])
+    diag_end = gl.minimum(n0 + BLOCK_N, T) if CAUSAL else lo
+    free_end = (T // BLOCK_M) * BLOCK_M
+    keys = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
+    row_off = bh.to(gl.int64) * T
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    k_tile = k_smem.index(0)
+    v_tile = v_smem.index(0)
+    mbarrier.wait(kv_bars.index(0), 0)
+    for i in range(n_tiles):
+        dk, dv, dq = _dkdv_step(i, lo + i * BLOCK_M, n_tiles, k_tile, v_tile, q_desc, do_desc, q_smem, do_smem,
+                                ready_bars, ds_smem, LSE, DELTA, row_off, keys, T, qk_scale, diag_end, free_end, dk, dv,
+                                s_zero, dq_zero, BLOCK_M, STAGES, CAUSAL, 3, gl.SliceLayout(0, s_layout), op_layout)
+        slot = i % DQ_STAGES
+        # the reducer has read the slot's previous tile (a fresh barrier counts as released)
+        mbarrier.wait(dq_empty.index(slot), ((i // DQ_STAGES) & 1) ^ 1)
+        dq_smem.index(slot).store(dq)
+        gl.thread_barrier()  # every math warp's rows stored before the hand-over
+        mbarrier.arrive(dq_full.index(slot))
+    _store_rows(DK, bh, H, stride_gb, stride_gh, stride_gt, n0, dk * scale, T, BLOCK_N, HEAD_DIM, g_layout)
+    _store_rows(DV, bh, H, stride_gb, stride_gh, stride_gt, n0, dv, T, BLOCK_N, HEAD_DIM, g_layout)
+
+
+@gluon.jit
+def _dq_reducer(dq_smem, dq_full, dq_empty, DQ_ACC, bh, T_ACC, lo, n_tiles, HEAD_DIM: gl.constexpr,
+                BLOCK_M: gl.constexpr, DQ_STAGES: gl.constexpr, CHUNK: gl.constexpr):
+    """The reducer warp(s): each tile's dQ share from the ring into the fp32 rows of DQ_ACC ((B·H, T_ACC, HEAD_DIM),
+    row order), CHUNK rows at a time, four contiguous columns per `red.global.add.v4.f32`; then the slot is released.
+    The math warps meanwhile go on to the next tile: the reduction is off their path (FA3's dQ warp)."""
+    lanes_per_row: gl.constexpr = HEAD_DIM // 4
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // lanes_per_row, lanes_per_row], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))[:, None]
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))[None, :]
+    for i in range(n_tiles):
+        slot = i % DQ_STAGES
+        mbarrier.wait(dq_full.index(slot), (i // DQ_STAGES) & 1)
+        tile_rows = DQ_ACC + (bh.to(gl.int64) * T_ACC + lo + i * BLOCK_M) * HEAD_DIM
+        for r in gl.static_range(0, BLOCK_M, CHUNK):
+            part = dq_smem.index(slot).slice(r, CHUNK).load(layout)
+            _red_add_v4(tile_rows + (r + rows) * HEAD_DIM + cols, part)  # padding rows add 0
+        mbarrier.arrive(dq_empty.index(slot))
+
+
+@gluon.jit
+def _attn_bwd_one_ws_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+                            stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+                            stride_vt, stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
+                            H, T, T_ACC, qk_scale, scale,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            DQ_SPLIT: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+                            DS_LAYOUT: gl.constexpr, REDUCER_WARPS: gl.constexpr, REDUCER_REGS: gl.constexpr,
+                            CHUNK: gl.constexpr, num_warps: gl.constexpr):
+    """The one-kernel backward with its dQ reduction on warps of its own (`gl.warp_specialize`): the math warps
+    (`_one_ws_math`, the kernel's num_warps) compute dK, dV and each query tile's dQ share and put the share in a
+    ring of DQ_STAGES fp32 buffers in shared memory; REDUCER_WARPS warps (`_dq_reducer`) add each buffer into the fp32
+    rows of DQ_ACC by vector atomics and release it. Same numerics as `_attn_bwd_dkdv_hopper` at DQ_WORK 3; dQ's
+    buffer in row order. Not deterministic (the atomics' order varies)."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    q_desc, do_desc, k_desc, v_desc = _head_descs(
+        Q, K, V, DO, bh, H, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+        stride_vt, stride_dob, stride_doh, stride_dot, T, BLOCK_M, BLOCK_N, HEAD_DIM, Q_LAYOUT, KV_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
+    # row-major, unswizzled: the reducer reads it a row slice at a time (Gluon 3.6 neither slices a swizzled buffer
+    # within its period nor indexes a padded one); the accumulator's stores then conflict on banks (rows g, g + 8)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_DIM],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    kv_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bars.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+    for i in gl.static_range(DQ_STAGES):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+
+    n0 = pid_n * BLOCK_N
+    lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    n_tiles = gl.cdiv(T - lo, BLOCK_M)
+    _issue_rows(k_desc, v_desc, k_smem, v_smem, kv_bars, n0, 0, 1, True)
+    for i in gl.static_range(STAGES):
+        _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, lo + i * BLOCK_M, i, STAGES, i < n_tiles)
+    gl.warp_specialize([
+        (_one_ws_math, (q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bars, ready_bars,
+                        dq_full, dq_empty, LSE, DELTA, DK, DV, bh, H, stride_gb, stride_gh, stride_gt, T, qk_scale,
+                        scale, n0, lo, n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, CAUSAL, DQ_SPLIT)),
+        (_dq_reducer, (dq_smem, dq_full, dq_empty, DQ_ACC, bh, T_ACC, lo, n_tiles, HEAD_DIM, BLOCK_M, DQ_STAGES,
+                       CHUNK))],
+        [REDUCER_WARPS], [REDUCER_REGS])
+    mbarrier.invalidate(kv_bars.index(0))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready_bars.index(i))
+    for i in gl.static_range(DQ_STAGES):
+        mbarrier.invalidate(dq_full.index(i))
+        mbarrier.invalidate(dq_empty.index(i))
 
 
 @gluon.jit
@@ -478,8 +625,35 @@ DQ_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 64, 3, True), Tile
 # the one-kernel backward: dQ's matmul needs 64 query rows per warpgroup, so no 32-row streamed tiles
 ONE_KERNEL_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 128, 2)],
                     128: [Tile(128, 64, 2), Tile(64, 64, 3), Tile(64, 64, 2)]}
-KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "one": _attn_bwd_dkdv_hopper}
-TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES}
+
+
+class ReducerTile(NamedTuple):
+    """The warp-specialized one-kernel backward's launch: `Tile`'s own keys, streamed query rows and ring, plus
+    the dQ ring's fp32 buffers and the reducer partition's warps and registers."""
+    own: int = 128
+    streamed: int = 64
+    stages: int = 2
+    dq_stages: int = 1
+    reducer_warps: int = 1
+    reducer_regs: int = 32
+    pipelined: bool = False  # (the math warps' schedule is the unpipelined one)
+
+    @property
+    def warps(self) -> int:
+        return self.own // 16
+
+    def __str__(self):
+        return (f"{self.own}x{self.streamed}/{self.stages}st/{self.warps}w/dq-ring{self.dq_stages}/"
+                f"reducer{self.reducer_warps}w")
+
+
+# shared memory at D = 128: 128x64 with 2 stages and one 32 KB dQ buffer 176 KB (1 CTA per SM, as without it);
+# 64x64 with 2 stages 138.5 KB (1 CTA per SM, against 2 without the buffer)
+ONE_WS_TILES = {64: [ReducerTile(128, 64, 3, 2), ReducerTile(64, 64, 3, 2)],
+                128: [ReducerTile(128, 64, 2, 1), ReducerTile(128, 64, 2, 2), ReducerTile(64, 64, 2, 1)]}
+KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "one": _attn_bwd_dkdv_hopper,
+           "one-ws": _attn_bwd_one_ws_hopper}
+TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES, "one-ws": ONE_WS_TILES}
 
 
 def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile, dq_work: int = 3) -> dict:
@@ -495,8 +669,13 @@ def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile
     if kernel == "dkdv":
         return consts | dict(PIPELINED=tile.pipelined, DQ_WORK=0, DQ_SPLIT=1, DS_LAYOUT=None)
     assert not tile.pipelined and block_m >= 64, f"the one-kernel backward has no tile {tile}"
-    return consts | dict(PIPELINED=False, DQ_WORK=dq_work, DQ_SPLIT=tile.warps // min(tile.warps, block_m // 16),
-                         DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gdtype))
+    one = dict(DQ_SPLIT=tile.warps // min(tile.warps, block_m // 16),
+               DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gdtype))
+    if kernel == "one-ws":
+        return consts | one | dict(DQ_STAGES=tile.dq_stages, REDUCER_WARPS=tile.reducer_warps,
+                                   REDUCER_REGS=tile.reducer_regs,
+                                   CHUNK=tile.reducer_warps * 32 // (head_dim // 4))  # one pass of the warps' lanes
+    return consts | one | dict(PIPELINED=False, DQ_WORK=dq_work)
 
 
 def _streamable(*tensors):
@@ -550,6 +729,25 @@ def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile, 
     return dq_from_fragments(dq_acc, T, scale, q.dtype).view(B, H, T, D), dk, dv
 
 
+def one_kernel_ws(dout, q, k, v, out, lse, causal: bool, scale: float, tile: ReducerTile):
+    """dQ, dK and dV from the warp-specialized one-kernel backward: a δ pass, the kernel (dQ added into a zeroed fp32
+    buffer in row order by the reducer warps), then dQ scaled and cast."""
+    B, H, T, D = q.shape
+    _streamable(q, k, v, dout)
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    _attn_bwd_delta_hopper[(triton.cdiv(T, 128), B * H)](out, dout, delta, *out.stride()[:3], *dout.stride()[:3], H, T,
+                                                         HEAD_DIM=D, BLOCK_M=128, num_warps=8)
+    t_acc = triton.cdiv(T, 128) * 128  # every query tile's rows, padding included (BLOCK_M divides 128)
+    dq_acc = torch.zeros(B * H, t_acc, D, device=q.device, dtype=torch.float32)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(dk, dtype=v.dtype)
+    _attn_bwd_one_ws_hopper[(triton.cdiv(T, tile.own), B * H)](
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *dout.stride()[:3], *dk.stride()[:3], H, T, t_acc, scale * LOG2E, scale,
+        **launch_constants("one-ws", D, q.dtype, causal, tile))
+    return (dq_acc[:, :T] * scale).to(q.dtype).view(B, H, T, D), dk, dv
+
+
 def dq_from_fragments(dq_acc, T: int, scale: float, dtype):
     """The fp32 dQ buffer of `_dq_fragment_offsets` back in row order: per 16 rows (a, b, g) and 8 columns (j, t, e),
     stored as (a, j, g, t, b, e); the first T rows, scaled, in `dtype`."""
@@ -577,6 +775,8 @@ def check(kernel: str, shape, causal: bool, tile: Tile, dtype=torch.bfloat16) ->
         ours = dict(zip(("dk", "dv"), dkdv(dout, q, k, v, lse, delta, causal, scale, tile)))
     elif kernel == "one":
         ours = dict(zip(("dq", "dk", "dv"), one_kernel(dout, q, k, v, out, lse, causal, scale, tile)))
+    elif kernel == "one-ws":
+        ours = dict(zip(("dq", "dk", "dv"), one_kernel_ws(dout, q, k, v, out, lse, causal, scale, tile)))
     else:
         dq, their_delta = dq_and_delta(dout, q, k, v, out, lse, causal, scale, tile)
         ours = {"dq": dq}
@@ -654,6 +854,8 @@ def timed(shape, tiles: dict, ablate: bool = False) -> dict:
         for work, left_out in ABLATIONS.items() if ablate else ():
             runs[f"gluon-one-kernel {tile} {left_out}"] = (
                 lambda t=tile, w=work: one_kernel(dout, q, k, v, out, lse, True, scale, t, w), 5)
+    for tile in tiles.get("one-ws", ()):
+        runs[f"gluon-one-ws {tile}"] = (lambda t=tile: one_kernel_ws(dout, q, k, v, out, lse, True, scale, t), 5)
     row = {"shape": list(shape)}
     for name, (fn, _) in runs.items():
         row[name] = {"ms": ms(fn)}
@@ -672,7 +874,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/gluon-backward-h200.json"))
     parser.add_argument("--shapes", default=None, help="B,H,T,D;...")
-    parser.add_argument("--kernels", default="dkdv,dq,one", help="which Gluon kernels to check and time")
+    parser.add_argument("--kernels", default="dkdv,dq,one",
+                        help="which Gluon kernels to check and time: dkdv, dq, one, one-ws")
     parser.add_argument("--ablate", action="store_true", help="time the one-kernel backward without parts of dQ's work")
     args = parser.parse_args()
     shapes = parse_shapes(args.shapes, SHAPES)

@@ -284,6 +284,29 @@ def test_gluon_one_kernel_backward_adds_dq_by_vector_atomics():
         assert ptx.count("wgmma.commit_group") == matmuls and "red.global" not in ptx
 
 
+@pytest.mark.slow
+def test_gluon_one_kernel_backward_with_a_reducer_warp_compiles_unserialised():
+    """The warp-specialized one-kernel backward (study kind "one-ws") compiles for sm_90 at every tile it times:
+    the math warps' five matmuls stay asynchronous, the reducer warp adds dQ by `red.v4` (a quarter of a 16-row
+    slice's values per lane per pass), registers are redistributed (240 or 256 for the math warps, 32 for the reducer),
+    within the H200's shared memory."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    study = _study("gluon_backward")
+    for head_dim, tiles in study.ONE_WS_TILES.items():
+        for tile in tiles:
+            consts = study.launch_constants("one-ws", head_dim, torch.bfloat16, True, tile)
+            compiled = compile_function(study.KERNELS["one-ws"], consts, {"num_warps": tile.warps},
+                                        source_type=GluonASTSource)
+            ptx = compiled.asm["ptx"]
+            assert offline.wgmma_serialization(compiled) is None, (head_dim, str(tile))
+            assert ptx.count("wgmma.commit_group") == 5 and "red.global.add.v4.f32" in ptx
+            # the math warps raised to 240 registers (256 when they are one warpgroup), the reducer's set to 32
+            assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(240|256);", ptx)
+            assert re.search(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+32;", ptx)
+            assert resource_usage(compiled)["shared_bytes"] <= 232_448
+
+
 def test_one_kernel_dq_buffer_returns_to_row_order():
     """`dq_from_fragments` undoes the fragment order the one-kernel backward adds dQ in: element (r, c), r = 16a +
     8b + g and c = 8j + 2t + e, at a·16D + 128j + 4(4g + t) + 2b + e of its head's buffer; first T rows, scaled."""
