@@ -20,7 +20,10 @@ past them by TMA through a ring of buffers:
 - The same with dQ's reduction on a warp of its own ("one-ws", `_attn_bwd_one_ws_hopper`; FA3's dQ warp): the math
   warps (240 registers each, `gl.warp_specialize`) put each query tile's dQ share into a ring of fp32 buffers in
   shared memory and go on; a reducer warp (32 registers) adds each buffer into dQ's fp32 rows by `red.v4` and
-  releases it. Session 14 measured that without the atomics the one-kernel backward beats cuDNN's at T >= 4096.
+  releases it. Session 14 measured that without the atomics the one-kernel backward beats cuDNN's at T >= 4096; with
+  one reducer warp (1942696) it was 8-19% slower than the inline atomics (the math warps wait for it). The tiles with
+  four reducer warps (same registers: the reducer's warpgroup idled three) and the one-slot ring padded against bank
+  conflicts compile unserialised for sm_90 and await a GPU run.
 
 Measured on the H200 (RESULTS.md, session 13): every tile passes its checks; the Gluon dK/dV kernel ties ours, the
 Gluon dQ kernel is up to 16% slower, and the one-kernel backward is 2-37% slower than our two Triton kernels (at
@@ -356,6 +359,16 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
 
 
 @gluon.jit
+def _ring_slot(ring, slot, DQ_STAGES: gl.constexpr):
+    """Slot `slot` of the dQ ring: the buffer itself when it has one (2-D, padded), else an index of the 3-D ring."""
+    if DQ_STAGES == 1:
+        buffer = ring
+    else:
+        buffer = ring.index(slot)
+    return buffer
+
+
+@gluon.jit
 def _one_ws_math(q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bars, ready_bars, dq_full,
                  dq_empty, LSE, DELTA, DK, DV, bh, H, stride_gb, stride_gh, stride_gt, T, qk_scale, scale, n0, lo,
                  n_tiles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -389,7 +402,7 @@ def _one_ws_math(q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_s
         slot = i % DQ_STAGES
         # the reducer has read the slot's previous tile (a fresh barrier counts as released)
         mbarrier.wait(dq_empty.index(slot), ((i // DQ_STAGES) & 1) ^ 1)
-        dq_smem.index(slot).store(dq)
+        _ring_slot(dq_smem, slot, DQ_STAGES).store(dq)
         gl.thread_barrier()  # every math warp's rows stored before the hand-over
         mbarrier.arrive(dq_full.index(slot))
     _store_rows(DK, bh, H, stride_gb, stride_gh, stride_gt, n0, dk * scale, T, BLOCK_N, HEAD_DIM, g_layout)
@@ -411,7 +424,7 @@ def _dq_reducer(dq_smem, dq_full, dq_empty, DQ_ACC, bh, T_ACC, lo, n_tiles, HEAD
         mbarrier.wait(dq_full.index(slot), (i // DQ_STAGES) & 1)
         tile_rows = DQ_ACC + (bh.to(gl.int64) * T_ACC + lo + i * BLOCK_M) * HEAD_DIM
         for r in gl.static_range(0, BLOCK_M, CHUNK):
-            part = dq_smem.index(slot).slice(r, CHUNK).load(layout)
+            part = _ring_slot(dq_smem, slot, DQ_STAGES).slice(r, CHUNK).load(layout)
             _red_add_v4(tile_rows + (r + rows) * HEAD_DIM + cols, part)  # padding rows add 0
         mbarrier.arrive(dq_empty.index(slot))
 
@@ -442,10 +455,16 @@ def _attn_bwd_one_ws_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
-    # row-major, unswizzled: the reducer reads it a row slice at a time (Gluon 3.6 neither slices a swizzled buffer
-    # within its period nor indexes a padded one); the accumulator's stores then conflict on banks (rows g, g + 8)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_DIM],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    # the reducer reads the ring a row slice at a time, which Gluon 3.6 cannot do within a swizzle period, and it
+    # indexes no padded buffer of several slots. One slot: rows padded by 16 bytes, so that the accumulator's stores
+    # (rows g and g + 8 of 8-row groups, two columns a thread) fall on distinct banks; several: row-major, unswizzled,
+    # the stores conflicting 8-way on banks
+    if DQ_STAGES == 1:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], gl.PaddedSharedLayout.with_identity_for(
+            [[HEAD_DIM, 4]], [BLOCK_M, HEAD_DIM], [1, 0]))
+    else:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_DIM],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     kv_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], mbarrier.MBarrierLayout())
@@ -649,8 +668,10 @@ class ReducerTile(NamedTuple):
 
 # shared memory at D = 128: 128x64 with 2 stages and one 32 KB dQ buffer 176 KB (1 CTA per SM, as without it);
 # 64x64 with 2 stages 138.5 KB (1 CTA per SM, against 2 without the buffer)
-ONE_WS_TILES = {64: [ReducerTile(128, 64, 3, 2), ReducerTile(64, 64, 3, 2)],
-                128: [ReducerTile(128, 64, 2, 1), ReducerTile(128, 64, 2, 2), ReducerTile(64, 64, 2, 1)]}
+ONE_WS_TILES = {64: [ReducerTile(128, 64, 3, 2), ReducerTile(64, 64, 3, 2), ReducerTile(128, 64, 3, 1, 4),
+                     ReducerTile(64, 64, 3, 1, 4)],
+                128: [ReducerTile(128, 64, 2, 1), ReducerTile(128, 64, 2, 2), ReducerTile(64, 64, 2, 1),
+                      ReducerTile(128, 64, 2, 1, 4), ReducerTile(64, 64, 2, 1, 4)]}
 KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "one": _attn_bwd_dkdv_hopper,
            "one-ws": _attn_bwd_one_ws_hopper}
 TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES, "one-ws": ONE_WS_TILES}
