@@ -3,7 +3,9 @@
 The small models of a failure search leave an H200 mostly idle: one process is bound by the
 host's kernel launches. Several processes share the GPU and finish a sweep several times sooner.
 Workers are spawned (CUDA does not survive a fork) and use one CPU thread each, so that a dozen of
-them do not oversubscribe the host's cores.
+them do not oversubscribe the host's cores. On a CPU a run's last bits can depend on its thread count, so a
+CPU run in a worker matches one in this process at one thread (`torch.set_num_threads(1)`), not necessarily
+at the default.
 """
 
 from __future__ import annotations
