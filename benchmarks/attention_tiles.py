@@ -26,6 +26,19 @@ from stableflash.attention.stabilize import cache_key
 from stableflash.attention.triton import _kernel_key, ops
 from stableflash.benchmarking import parse_shapes
 
+
+class IdentityFunction(torch.autograd.Function):
+    """The cheapest Python autograd function: what the autograd engine's hand-off costs by itself."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 cfg = ops._cfg
 # every tile the kernels accept: forward and dQ need BLOCK_M % BLOCK_N == 0, dK/dV the reverse
@@ -77,23 +90,12 @@ def call_paths(shape) -> dict:
         out, _, lse, _, _ = ops.forward(q, k, v, True, scale, key, False, 0.0)
         ops.backward(dout, q, k, v, out, lse, True, scale, key)
 
-    class Identity(torch.autograd.Function):
-        """The cheapest Python autograd function: what the engine's hand-off costs by itself."""
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
     def single_threaded():
         with torch.autograd.set_multithreading_enabled(False):
             ops.FlashAttention.apply(q, k, v, True, scale, key, False, 0.0)[0].backward(dout)
 
     paths = {
-        "python-identity-function+backward": lambda: Identity.apply(q).backward(dout),
+        "python-identity-function+backward": lambda: IdentityFunction.apply(q).backward(dout),
         "ops.forward+ops.backward": direct,
         "FlashAttention.apply+backward, engine on the calling thread": single_threaded,
         "FlashAttention.apply+backward": lambda: ops.FlashAttention.apply(q, k, v, True, scale, key, False, 0.0)[0]

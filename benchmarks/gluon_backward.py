@@ -731,9 +731,10 @@ def dq_and_delta(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile
     return dq, delta
 
 
-def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile, dq_work: int = 3):
-    """dQ, dK and dV from the one-kernel backward: a δ pass, the kernel (dQ added into a zeroed fp32 buffer in
-    fragment order), then dQ put back in row order, scaled and cast. `dq_work` < 3: an ablation, for timing only."""
+def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile, dq_work: int = 3):
+    """dQ, dK and dV from the one-kernel backward: a δ pass, the kernel, then dQ scaled and cast. At a `Tile` the
+    math warps add dQ into a zeroed fp32 buffer in fragment order, put back in row order here (`dq_work` < 3: an
+    ablation, for timing only); at a `ReducerTile` a reducer warp adds it in row order (the "one-ws" kernel)."""
     B, H, T, D = q.shape
     _streamable(q, k, v, dout)
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
@@ -743,30 +744,14 @@ def one_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, tile: Tile, 
     dq_acc = torch.zeros(B * H, t_acc, D, device=q.device, dtype=torch.float32)
     dk = torch.empty_like(k)
     dv = torch.empty_like(dk, dtype=v.dtype)
-    _attn_bwd_dkdv_hopper[(triton.cdiv(T, tile.own), B * H)](
+    reducer = isinstance(tile, ReducerTile)
+    kernel, constants = ((_attn_bwd_one_ws_hopper, launch_constants("one-ws", D, q.dtype, causal, tile)) if reducer
+                         else (_attn_bwd_dkdv_hopper, launch_constants("one", D, q.dtype, causal, tile, dq_work)))
+    kernel[(triton.cdiv(T, tile.own), B * H)](
         q, k, v, dout, lse, delta, dk, dv, dq_acc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *dout.stride()[:3], *dk.stride()[:3], H, T, t_acc, scale * LOG2E, scale,
-        **launch_constants("one", D, q.dtype, causal, tile, dq_work))
-    return dq_from_fragments(dq_acc, T, scale, q.dtype).view(B, H, T, D), dk, dv
-
-
-def one_kernel_ws(dout, q, k, v, out, lse, causal: bool, scale: float, tile: ReducerTile):
-    """dQ, dK and dV from the warp-specialized one-kernel backward: a δ pass, the kernel (dQ added into a zeroed fp32
-    buffer in row order by the reducer warps), then dQ scaled and cast."""
-    B, H, T, D = q.shape
-    _streamable(q, k, v, dout)
-    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-    _attn_bwd_delta_hopper[(triton.cdiv(T, 128), B * H)](out, dout, delta, *out.stride()[:3], *dout.stride()[:3], H, T,
-                                                         HEAD_DIM=D, BLOCK_M=128, num_warps=8)
-    t_acc = triton.cdiv(T, 128) * 128  # every query tile's rows, padding included (BLOCK_M divides 128)
-    dq_acc = torch.zeros(B * H, t_acc, D, device=q.device, dtype=torch.float32)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(dk, dtype=v.dtype)
-    _attn_bwd_one_ws_hopper[(triton.cdiv(T, tile.own), B * H)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *dout.stride()[:3], *dk.stride()[:3], H, T, t_acc, scale * LOG2E, scale,
-        **launch_constants("one-ws", D, q.dtype, causal, tile))
-    return (dq_acc[:, :T] * scale).to(q.dtype).view(B, H, T, D), dk, dv
+        *dout.stride()[:3], *dk.stride()[:3], H, T, t_acc, scale * LOG2E, scale, **constants)
+    dq = (dq_acc[:, :T] * scale).to(q.dtype) if reducer else dq_from_fragments(dq_acc, T, scale, q.dtype)
+    return dq.view(B, H, T, D), dk, dv
 
 
 def dq_from_fragments(dq_acc, T: int, scale: float, dtype):
@@ -794,10 +779,8 @@ def check(kernel: str, shape, causal: bool, tile: Tile, dtype=torch.bfloat16) ->
     delta = (dout.float() * out.float()).sum(-1)
     if kernel == "dkdv":
         ours = dict(zip(("dk", "dv"), dkdv(dout, q, k, v, lse, delta, causal, scale, tile)))
-    elif kernel == "one":
+    elif kernel in ("one", "one-ws"):
         ours = dict(zip(("dq", "dk", "dv"), one_kernel(dout, q, k, v, out, lse, causal, scale, tile)))
-    elif kernel == "one-ws":
-        ours = dict(zip(("dq", "dk", "dv"), one_kernel_ws(dout, q, k, v, out, lse, causal, scale, tile)))
     else:
         dq, their_delta = dq_and_delta(dout, q, k, v, out, lse, causal, scale, tile)
         ours = {"dq": dq}
@@ -876,7 +859,7 @@ def timed(shape, tiles: dict, ablate: bool = False) -> dict:
             runs[f"gluon-one-kernel {tile} {left_out}"] = (
                 lambda t=tile, w=work: one_kernel(dout, q, k, v, out, lse, True, scale, t, w), 5)
     for tile in tiles.get("one-ws", ()):
-        runs[f"gluon-one-ws {tile}"] = (lambda t=tile: one_kernel_ws(dout, q, k, v, out, lse, True, scale, t), 5)
+        runs[f"gluon-one-ws {tile}"] = (lambda t=tile: one_kernel(dout, q, k, v, out, lse, True, scale, t), 5)
     row = {"shape": list(shape)}
     for name, (fn, _) in runs.items():
         row[name] = {"ms": ms(fn)}

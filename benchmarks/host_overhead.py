@@ -24,6 +24,7 @@ import time
 import torch
 import triton
 from attention import _sdpa  # benchmarks/attention.py: this script's directory is on sys.path
+from attention_tiles import IdentityFunction
 from torch.nn.attention import SDPBackend
 
 from stableflash import SFA, AttentionStats, flash_attention
@@ -53,20 +54,10 @@ def host_us(call, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-class _Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 def engine_us(repeats: int) -> dict:
     """The autograd engine's own cost per backward on CUDA: through a Python node and through a built-in one."""
     x = torch.ones(1, device="cuda", requires_grad=True)
-    return {"python_node_backward_us": host_us(lambda: _Identity.apply(x).sum().backward(), repeats),
+    return {"python_node_backward_us": host_us(lambda: IdentityFunction.apply(x).sum().backward(), repeats),
             "builtin_node_backward_us": host_us(lambda: (x * 1.0).sum().backward(), repeats)}
 
 
