@@ -7,7 +7,7 @@ eager time as `benchmarks/attention.py` takes it (`do_bench`) and the device tim
 the autograd engine alone (a backward through one Python `autograd.Function` against one built-in op, on a 1-element
 CUDA tensor) and profiles our forward+backward's Python (cProfile, by own time).
 
-    python benchmarks/host_overhead.py --out results/host-overhead-h200.json [--pin-cpu 3]
+    python benchmarks/host_overhead.py --out results/host-overhead/host-overhead-h200.json [--pin-cpu 3]
 """
 
 from __future__ import annotations

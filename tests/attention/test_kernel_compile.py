@@ -287,9 +287,9 @@ def test_gluon_one_kernel_backward_adds_dq_by_vector_atomics():
 @pytest.mark.slow
 def test_gluon_one_kernel_backward_with_a_reducer_warp_compiles_unserialised():
     """The warp-specialized one-kernel backward (study kind "one-ws") compiles for sm_90 at every tile it times:
-    the math warps' five matmuls stay asynchronous, the reducer warp adds dQ by `red.v4` (a quarter of a 16-row
-    slice's values per lane per pass), registers are redistributed (240 or 256 for the math warps, 32 for the reducer),
-    within the H200's shared memory."""
+    the math warps' five matmuls stay asynchronous, the reducer warps add dQ by `red.v4` (four contiguous columns a
+    lane), registers are redistributed (240 or 256 for the math warps, 32 for the reducer), within the H200's shared
+    memory."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     study = _study("gluon_backward")
