@@ -456,12 +456,13 @@ def _attn_bwd_one_ws_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
     # the reducer reads the ring a row slice at a time, which Gluon 3.6 cannot do within a swizzle period, and it
-    # indexes no padded buffer of several slots. One slot: rows padded by 16 bytes, so that the accumulator's stores
-    # (rows g and g + 8 of 8-row groups, two columns a thread) fall on distinct banks; several: row-major, unswizzled,
-    # the stores conflicting 8-way on banks
+    # indexes no padded buffer of several slots. Several slots: row-major, unswizzled; the accumulator's stores (a
+    # warp: 8 rows, 32 contiguous bytes of each, per instruction) then hit the same 8 banks, 3 excess accesses per
+    # wavefront (`gl.bank_conflicts`). One slot: rows padded by 32 bytes, so that the 8 rows start 8 banks apart and
+    # fill the 32 banks twice, no excess (by hand: `gl.bank_conflicts` does not take padded layouts)
     if DQ_STAGES == 1:
         dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], gl.PaddedSharedLayout.with_identity_for(
-            [[HEAD_DIM, 4]], [BLOCK_M, HEAD_DIM], [1, 0]))
+            [[HEAD_DIM, 8]], [BLOCK_M, HEAD_DIM], [1, 0]))
     else:
         dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_DIM],
                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
