@@ -21,9 +21,11 @@ past them by TMA through a ring of buffers:
   warps (240 registers each, `gl.warp_specialize`) put each query tile's dQ share into a ring of fp32 buffers in
   shared memory and go on; a reducer warp (32 registers) adds each buffer into dQ's fp32 rows by `red.v4` and
   releases it. Session 14 measured that without the atomics the one-kernel backward beats cuDNN's at T >= 4096; with
-  one reducer warp (1942696) it was 8-19% slower than the inline atomics (the math warps wait for it). The tiles with
-  four reducer warps (same registers: the reducer's warpgroup idled three) and the one-slot ring padded against bank
-  conflicts compile unserialised for sm_90 and await a GPU run.
+  one reducer warp (1942696) it was 8-19% slower than the inline atomics (the math warps wait for it). Three
+  variants compile unserialised for sm_90 and await a GPU run: four reducer warps (same registers: the reducer's
+  warpgroup idled three), the one-slot ring padded against bank conflicts, and no reducer at all: each buffer added
+  to dQ by a TMA reduction the math warps issue and do not wait for (`_tma_reduce_add`, FA3's mechanism; Gluon 3.6's
+  builder has the operation, its Python API does not).
 
 Measured on the H200 (RESULTS.md, session 13): every tile passes its checks; the Gluon dK/dV kernel ties ours, the
 Gluon dQ kernel is up to 16% slower, and the one-kernel backward is 2-37% slower than our two Triton kernels (at
@@ -50,8 +52,10 @@ from typing import NamedTuple
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from stableflash import flash_attention
@@ -144,6 +148,16 @@ def _probs(s, lse, queries, keys, T, qk_scale, masked, CAUSAL: gl.constexpr):
             valid = valid & (queries >= keys)
         p = gl.where(valid, p, 0.0)
     return p
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Adds a shared-memory tile into global memory by a TMA reduction (`cp.reduce.async.bulk.tensor ... .add`),
+    issued by one thread as a bulk group that `tma.store_wait` retires. Gluon 3.6's builder has the operation
+    (`create_async_tma_reduce`) but its Hopper TMA module wraps only copies: this is that wrapper, as
+    `tma.async_copy_shared_to_global` is written."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.constexpr_function
@@ -370,11 +384,14 @@ def _ring_slot(ring, slot, DQ_STAGES: gl.constexpr):
 
 @gluon.jit
 def _one_ws_math(q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bars, ready_bars, dq_full,
-                 dq_empty, LSE, DELTA, DK, DV, bh, H, stride_gb, stride_gh, stride_gt, T, qk_scale, scale, n0, lo,
-                 n_tiles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr):
-    """The math warps of the warp-specialized one-kernel backward: `_dkdv_step` per query tile, then dQ's share
-    stored into the ring buffer i % DQ_STAGES, handed to the reducer warp (`_dq_reducer`), and on to the next tile."""
+                 dq_empty, dq_desc, LSE, DELTA, DK, DV, bh, H, stride_gb, stride_gh, stride_gt, T, qk_scale, scale, n0,
+                 lo, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                 DQ_TMA: gl.constexpr):
+    """The math warps of the one-kernel backward with dQ's reduction off their path: `_dkdv_step` per query tile,
+    then dQ's share stored into the ring buffer i % DQ_STAGES and handed on: to the reducer warps (`_dq_reducer`,
+    by mbarriers), or with DQ_TMA to a TMA reduction into dQ's fp32 rows (`dq_desc`) that runs while these warps go
+    on; a buffer is rewritten once its reduction has read it (`tma.store_wait`, DQ_STAGES - 1 left in flight)."""
     num_warps: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -400,11 +417,21 @@ def _one_ws_math(q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_s
                                 ready_bars, ds_smem, LSE, DELTA, row_off, keys, T, qk_scale, diag_end, free_end, dk, dv,
                                 s_zero, dq_zero, BLOCK_M, STAGES, CAUSAL, 3, gl.SliceLayout(0, s_layout), op_layout)
         slot = i % DQ_STAGES
-        # the reducer has read the slot's previous tile (a fresh barrier counts as released)
-        mbarrier.wait(dq_empty.index(slot), ((i // DQ_STAGES) & 1) ^ 1)
-        _ring_slot(dq_smem, slot, DQ_STAGES).store(dq)
-        gl.thread_barrier()  # every math warp's rows stored before the hand-over
-        mbarrier.arrive(dq_full.index(slot))
+        if DQ_TMA:
+            tma.store_wait(DQ_STAGES - 1)  # the issuing thread: the slot's previous reduction has read it
+            gl.thread_barrier()  # ... before any warp rewrites it
+            dq_smem.index(slot).store(dq)
+            fence_async_shared()  # the generic-proxy stores visible to the TMA unit
+            gl.thread_barrier()  # every warp's rows stored before the reduction is issued
+            _tma_reduce_add(dq_desc, [lo + i * BLOCK_M, 0], dq_smem.index(slot))
+        else:
+            # the reducer has read the slot's previous tile (a fresh barrier counts as released)
+            mbarrier.wait(dq_empty.index(slot), ((i // DQ_STAGES) & 1) ^ 1)
+            _ring_slot(dq_smem, slot, DQ_STAGES).store(dq)
+            gl.thread_barrier()  # every math warp's rows stored before the hand-over
+            mbarrier.arrive(dq_full.index(slot))
+    if DQ_TMA:
+        tma.store_wait(0)  # the ring stays allocated until the last reduction has read it
     _store_rows(DK, bh, H, stride_gb, stride_gh, stride_gt, n0, dk * scale, T, BLOCK_N, HEAD_DIM, g_layout)
     _store_rows(DV, bh, H, stride_gb, stride_gh, stride_gt, n0, dv, T, BLOCK_N, HEAD_DIM, g_layout)
 
@@ -438,12 +465,13 @@ def _attn_bwd_one_ws_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                             STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             DQ_SPLIT: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
                             DS_LAYOUT: gl.constexpr, REDUCER_WARPS: gl.constexpr, REDUCER_REGS: gl.constexpr,
-                            CHUNK: gl.constexpr, num_warps: gl.constexpr):
+                            CHUNK: gl.constexpr, DQ_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """The one-kernel backward with its dQ reduction on warps of its own (`gl.warp_specialize`): the math warps
     (`_one_ws_math`, the kernel's num_warps) compute dK, dV and each query tile's dQ share and put the share in a
     ring of DQ_STAGES fp32 buffers in shared memory; REDUCER_WARPS warps (`_dq_reducer`) add each buffer into the fp32
-    rows of DQ_ACC by vector atomics and release it. Same numerics as `_attn_bwd_dkdv_hopper` at DQ_WORK 3; dQ's
-    buffer in row order. Not deterministic (the atomics' order varies)."""
+    rows of DQ_ACC by vector atomics and release it. REDUCER_WARPS 0: no reducer; each buffer (in DQ_LAYOUT, a TMA
+    layout) goes to dQ's rows by a TMA reduction, FA3's way. Same numerics as `_attn_bwd_dkdv_hopper` at DQ_WORK 3;
+    dQ's buffer in row order. Not deterministic (the atomics' order varies)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
@@ -460,7 +488,9 @@ def _attn_bwd_one_ws_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     # warp: 8 rows, 32 contiguous bytes of each, per instruction) then hit the same 8 banks, 3 excess accesses per
     # wavefront (`gl.bank_conflicts`). One slot: rows padded by 32 bytes, so that the 8 rows start 8 banks apart and
     # fill the 32 banks twice, no excess (by hand: `gl.bank_conflicts` does not take padded layouts)
-    if DQ_STAGES == 1:
+    if REDUCER_WARPS == 0:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_DIM], DQ_LAYOUT)
+    elif DQ_STAGES == 1:
         dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], gl.PaddedSharedLayout.with_identity_for(
             [[HEAD_DIM, 8]], [BLOCK_M, HEAD_DIM], [1, 0]))
     else:
@@ -483,13 +513,21 @@ def _attn_bwd_one_ws_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     _issue_rows(k_desc, v_desc, k_smem, v_smem, kv_bars, n0, 0, 1, True)
     for i in gl.static_range(STAGES):
         _issue_rows(q_desc, do_desc, q_smem, do_smem, ready_bars, lo + i * BLOCK_M, i, STAGES, i < n_tiles)
-    gl.warp_specialize([
-        (_one_ws_math, (q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bars, ready_bars,
-                        dq_full, dq_empty, LSE, DELTA, DK, DV, bh, H, stride_gb, stride_gh, stride_gt, T, qk_scale,
-                        scale, n0, lo, n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, CAUSAL, DQ_SPLIT)),
-        (_dq_reducer, (dq_smem, dq_full, dq_empty, DQ_ACC, bh, T_ACC, lo, n_tiles, HEAD_DIM, BLOCK_M, DQ_STAGES,
-                       CHUNK))],
-        [REDUCER_WARPS], [REDUCER_REGS])
+    if REDUCER_WARPS == 0:  # TMA reductions, issued by the math warps themselves
+        dq_desc = tma.make_tensor_descriptor(DQ_ACC + bh.to(gl.int64) * T_ACC * HEAD_DIM, [T_ACC, HEAD_DIM],
+                                             [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM], DQ_LAYOUT)
+        _one_ws_math(q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bars, ready_bars, dq_full,
+                     dq_empty, dq_desc, LSE, DELTA, DK, DV, bh, H, stride_gb, stride_gh, stride_gt, T, qk_scale, scale,
+                     n0, lo, n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, CAUSAL, DQ_SPLIT, True)
+    else:
+        gl.warp_specialize([
+            (_one_ws_math, (q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bars, ready_bars,
+                            dq_full, dq_empty, None, LSE, DELTA, DK, DV, bh, H, stride_gb, stride_gh, stride_gt, T,
+                            qk_scale, scale, n0, lo, n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DQ_STAGES, CAUSAL,
+                            DQ_SPLIT, False)),
+            (_dq_reducer, (dq_smem, dq_full, dq_empty, DQ_ACC, bh, T_ACC, lo, n_tiles, HEAD_DIM, BLOCK_M, DQ_STAGES,
+                           CHUNK))],
+            [REDUCER_WARPS], [REDUCER_REGS])
     mbarrier.invalidate(kv_bars.index(0))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready_bars.index(i))
@@ -648,8 +686,9 @@ ONE_KERNEL_TILES = {64: [Tile(128, 64, 3), Tile(64, 64, 3), Tile(128, 128, 2)],
 
 
 class ReducerTile(NamedTuple):
-    """The warp-specialized one-kernel backward's launch: `Tile`'s own keys, streamed query rows and ring, plus
-    the dQ ring's fp32 buffers and the reducer partition's warps and registers."""
+    """The one-kernel backward with dQ's reduction off the math warps (kind "one-ws"): `Tile`'s own keys, streamed
+    query rows and ring, plus the dQ ring's fp32 buffers and the reducer partition's warps and registers (0 warps:
+    no reducer, TMA reductions issued by the math warps)."""
     own: int = 128
     streamed: int = 64
     stages: int = 2
@@ -663,16 +702,17 @@ class ReducerTile(NamedTuple):
         return self.own // 16
 
     def __str__(self):
-        return (f"{self.own}x{self.streamed}/{self.stages}st/{self.warps}w/dq-ring{self.dq_stages}/"
-                f"reducer{self.reducer_warps}w")
+        reducer = f"reducer{self.reducer_warps}w" if self.reducer_warps else "tma-reduce"
+        return f"{self.own}x{self.streamed}/{self.stages}st/{self.warps}w/dq-ring{self.dq_stages}/{reducer}"
 
 
 # shared memory at D = 128: 128x64 with 2 stages and one 32 KB dQ buffer 176 KB (1 CTA per SM, as without it);
 # 64x64 with 2 stages 138.5 KB (1 CTA per SM, against 2 without the buffer)
 ONE_WS_TILES = {64: [ReducerTile(128, 64, 3, 2), ReducerTile(64, 64, 3, 2), ReducerTile(128, 64, 3, 1, 4),
-                     ReducerTile(64, 64, 3, 1, 4)],
+                     ReducerTile(64, 64, 3, 1, 4), ReducerTile(128, 64, 3, 2, 0), ReducerTile(64, 64, 3, 2, 0)],
                 128: [ReducerTile(128, 64, 2, 1), ReducerTile(128, 64, 2, 2), ReducerTile(64, 64, 2, 1),
-                      ReducerTile(128, 64, 2, 1, 4), ReducerTile(64, 64, 2, 1, 4)]}
+                      ReducerTile(128, 64, 2, 1, 4), ReducerTile(64, 64, 2, 1, 4), ReducerTile(128, 64, 2, 2, 0),
+                      ReducerTile(64, 64, 2, 2, 0)]}
 KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "one": _attn_bwd_dkdv_hopper,
            "one-ws": _attn_bwd_one_ws_hopper}
 TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES, "one-ws": ONE_WS_TILES}
@@ -696,7 +736,8 @@ def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile
     if kernel == "one-ws":
         return consts | one | dict(DQ_STAGES=tile.dq_stages, REDUCER_WARPS=tile.reducer_warps,
                                    REDUCER_REGS=tile.reducer_regs,
-                                   CHUNK=tile.reducer_warps * 32 // (head_dim // 4))  # one pass of the warps' lanes
+                                   CHUNK=max(1, tile.reducer_warps) * 32 // (head_dim // 4),  # one pass of the lanes
+                                   DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gl.float32))
     return consts | one | dict(PIPELINED=False, DQ_WORK=dq_work)
 
 

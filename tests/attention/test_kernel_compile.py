@@ -286,10 +286,11 @@ def test_gluon_one_kernel_backward_adds_dq_by_vector_atomics():
 
 @pytest.mark.slow
 def test_gluon_one_kernel_backward_with_a_reducer_warp_compiles_unserialised():
-    """The warp-specialized one-kernel backward (study kind "one-ws") compiles for sm_90 at every tile it times:
-    the math warps' five matmuls stay asynchronous, the reducer warps add dQ by `red.v4` (four contiguous columns a
-    lane), registers are redistributed (240 or 256 for the math warps, 32 for the reducer), within the H200's shared
-    memory."""
+    """The one-kernel backward with dQ's reduction off the math warps (study kind "one-ws") compiles for sm_90 at
+    every tile it times, its five matmuls asynchronous, within the H200's shared memory: with reducer warps, these
+    add dQ by `red.v4` (four contiguous columns a lane) and registers are redistributed (240 or 256 for the math
+    warps, 32 for the reducer); without, the math warps issue a TMA reduction per tile and wait only for it to have
+    read its buffer."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     study = _study("gluon_backward")
@@ -300,11 +301,16 @@ def test_gluon_one_kernel_backward_with_a_reducer_warp_compiles_unserialised():
                                         source_type=GluonASTSource)
             ptx = compiled.asm["ptx"]
             assert offline.wgmma_serialization(compiled) is None, (head_dim, str(tile))
-            assert ptx.count("wgmma.commit_group") == 5 and "red.global.add.v4.f32" in ptx
+            assert ptx.count("wgmma.commit_group") == 5
+            assert resource_usage(compiled)["shared_bytes"] <= 232_448
+            if tile.reducer_warps == 0:  # TMA reductions from the math warps: no reducer, no atomics
+                assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
+                assert "cp.async.bulk.wait_group.read" in ptx and "red.global" not in ptx and "setmaxnreg" not in ptx
+                continue
+            assert "red.global.add.v4.f32" in ptx
             # the math warps raised to 240 registers (256 when they are one warpgroup), the reducer's set to 32
             assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(240|256);", ptx)
             assert re.search(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+32;", ptx)
-            assert resource_usage(compiled)["shared_bytes"] <= 232_448
 
 
 def test_one_kernel_dq_buffer_returns_to_row_order():
