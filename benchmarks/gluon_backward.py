@@ -161,6 +161,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.constexpr_function
+def _acc_layout(num_warps, cols, split=1):
+    """A wgmma accumulator layout for a tile `cols` wide: the warps along its rows, or split over `split` column
+    blocks (dQ's share when a query tile has fewer than 64 rows per warpgroup)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // split, split],
+                                     instr_shape=[16, cols // split, 16])
+
+
+@gluon.constexpr_function
 def _packs_row_pairs(layout):
     """Whether four consecutive registers of a thread in `layout` (linear form) hold columns c, c+1 of rows r and
     r+8: the group that `_dq_fragment_offsets` lays out contiguously and `_red_add_v4` adds in one instruction."""
@@ -268,16 +276,11 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
 
     # Sᵀ and dPᵀ (keys x queries) and dK, dV (keys x head dim) in wgmma accumulator layouts; Pᵀ and dSᵀ as the
     # register A operands of dV's and dK's matmuls; the queries' lse and δ along Sᵀ's columns
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK_M)
+    g_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    # dQ's share (queries x head dim), for the one-kernel backward
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
-                                                        warps_per_cta=[num_warps // DQ_SPLIT, DQ_SPLIT],
-                                                        instr_shape=[16, HEAD_DIM // DQ_SPLIT, 16])
+    dq_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM, DQ_SPLIT)  # dQ's share, for the one-kernel backward
 
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
@@ -393,14 +396,10 @@ def _one_ws_math(q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_s
     by mbarriers), or with DQ_TMA to a TMA reduction into dQ's fp32 rows (`dq_desc`) that runs while these warps go
     on; a buffer is rewritten once its reduction has read it (`tma.store_wait`, DQ_STAGES - 1 left in flight)."""
     num_warps: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK_M)
+    g_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
-                                                        warps_per_cta=[num_warps // DQ_SPLIT, DQ_SPLIT],
-                                                        instr_shape=[16, HEAD_DIM // DQ_SPLIT, 16])
+    dq_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM, DQ_SPLIT)
     diag_end = gl.minimum(n0 + BLOCK_N, T) if CAUSAL else lo
     free_end = (T // BLOCK_M) * BLOCK_M
     keys = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)))[:, None]
@@ -557,10 +556,8 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, O, LSE, DELTA, DQ,
         Q, K, V, DO, bh, H, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
         stride_vt, stride_dob, stride_doh, stride_dot, T, BLOCK_M, BLOCK_N, HEAD_DIM, Q_LAYOUT, KV_LAYOUT)
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _acc_layout(num_warps, BLOCK_N)
+    g_layout: gl.constexpr = _acc_layout(num_warps, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -695,7 +692,6 @@ class ReducerTile(NamedTuple):
     dq_stages: int = 1
     reducer_warps: int = 1
     reducer_regs: int = 32
-    pipelined: bool = False  # (the math warps' schedule is the unpipelined one)
 
     @property
     def warps(self) -> int:
@@ -719,8 +715,8 @@ TILES = {"dkdv": DKDV_TILES, "dq": DQ_TILES, "one": ONE_KERNEL_TILES, "one-ws": 
 
 
 def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile, dq_work: int = 3) -> dict:
-    """Compile-time arguments of the "dkdv", "dq" or "one" (one-kernel backward; `dq_work` < 3: its timing-only
-    ablations) kernel at `tile`."""
+    """Compile-time arguments of the "dkdv", "dq", "one" (one-kernel backward; `dq_work` < 3: its timing-only
+    ablations) or "one-ws" (its reduction off the math warps, at a `ReducerTile`) kernel at `tile`."""
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     block_m, block_n = (tile.own, tile.streamed) if kernel == "dq" else (tile.streamed, tile.own)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=tile.stages, CAUSAL=causal,
@@ -730,7 +726,8 @@ def launch_constants(kernel: str, head_dim: int, dtype, causal: bool, tile: Tile
         return consts | dict(PIPELINED=tile.pipelined)
     if kernel == "dkdv":
         return consts | dict(PIPELINED=tile.pipelined, DQ_WORK=0, DQ_SPLIT=1, DS_LAYOUT=None)
-    assert not tile.pipelined and block_m >= 64, f"the one-kernel backward has no tile {tile}"
+    assert (isinstance(tile, ReducerTile) or not tile.pipelined) and block_m >= 64, \
+        f"the one-kernel backward has no tile {tile}"
     one = dict(DQ_SPLIT=tile.warps // min(tile.warps, block_m // 16),
                DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, block_m], gdtype))
     if kernel == "one-ws":

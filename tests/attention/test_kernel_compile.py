@@ -223,6 +223,23 @@ def test_ops_choose_the_gluon_forward_for_production_numerics_only():
     assert tile(resolve("fa2").with_o_fp32()) is None
 
 
+def _compiled_backward_study(kernel: str, causals=(True, False)):
+    """The Gluon backward study's `kernel` compiled for sm_90 at every tile it times (bf16), with what every one of
+    them must show: wgmmas asynchronous, within the H200's shared memory. Yields (head dim, tile, PTX)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    study = _study("gluon_backward")
+    for head_dim, tiles in study.TILES[kernel].items():
+        for tile in tiles:
+            for causal in causals:
+                consts = study.launch_constants(kernel, head_dim, torch.bfloat16, causal, tile)
+                compiled = compile_function(study.KERNELS[kernel], consts, {"num_warps": tile.warps},
+                                            source_type=GluonASTSource)
+                assert offline.wgmma_serialization(compiled) is None, (kernel, head_dim, str(tile))
+                assert resource_usage(compiled)["shared_bytes"] <= 232_448
+                yield head_dim, tile, compiled.asm["ptx"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])
 def test_gluon_backward_study_keeps_its_wgmmas_asynchronous(kernel):
@@ -231,27 +248,15 @@ def test_gluon_backward_study_keeps_its_wgmmas_asynchronous(kernel):
     matmuls (dV, dK; or dQ) and retires everything in the same iteration; pipelined, the next tile's S and dP go with
     them. ptxas keeps the wgmmas asynchronous, within the H200's shared memory (spills are for the GPU run to show:
     D = 128 at 64 streamed rows needs all 255 registers for dK and dV)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    study = _study("gluon_backward")
-    accumulating = 2 if kernel == "dkdv" else 1
-    for head_dim, tiles in (study.DKDV_TILES if kernel == "dkdv" else study.DQ_TILES).items():
-        for tile in tiles:
-            for causal in (True, False):
-                consts = study.launch_constants(kernel, head_dim, torch.bfloat16, causal, tile)
-                compiled = compile_function(study.KERNELS[kernel], consts, {"num_warps": tile.warps},
-                                            source_type=GluonASTSource)
-                ptx = compiled.asm["ptx"]
-                assert offline.wgmma_serialization(compiled) is None, (kernel, head_dim, str(tile))
-                # S, dP and the accumulating matmuls: once in the loop, and (pipelined) once more around it
-                groups = 2 + accumulating
-                assert ptx.count("wgmma.commit_group") == groups * (2 if tile.pipelined else 1)
-                waits = sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx))
-                if tile.pipelined:  # prologue: S, dP; loop: S, dP, all; after it: all
-                    assert waits == sorted(["1", "0", str(groups - 1), str(groups - 2), "0", "0"])
-                else:  # S; dP (dV's matmul may run on) or dP; all
-                    assert waits == (["0", "1", "1"] if kernel == "dkdv" else ["0", "0", "1"])
-                assert resource_usage(compiled)["shared_bytes"] <= 232_448
+    groups = 2 + (2 if kernel == "dkdv" else 1)  # S, dP and the accumulating matmuls
+    for _, tile, ptx in _compiled_backward_study(kernel):
+        # once in the loop, and (pipelined) once more around it
+        assert ptx.count("wgmma.commit_group") == groups * (2 if tile.pipelined else 1)
+        waits = sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx))
+        if tile.pipelined:  # prologue: S, dP; loop: S, dP, all; after it: all
+            assert waits == sorted(["1", "0", str(groups - 1), str(groups - 2), "0", "0"])
+        else:  # S; dP (dV's matmul may run on) or dP; all
+            assert waits == (["0", "1", "1"] if kernel == "dkdv" else ["0", "0", "1"])
 
 
 @pytest.mark.slow
@@ -263,21 +268,13 @@ def test_gluon_one_kernel_backward_adds_dq_by_vector_atomics():
     lays out side by side."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    study = _study("gluon_backward")
-    for head_dim, tiles in study.ONE_KERNEL_TILES.items():
-        for tile in tiles:
-            for causal in (True, False):
-                consts = study.launch_constants("one", head_dim, torch.bfloat16, causal, tile)
-                compiled = compile_function(study.KERNELS["one"], consts, {"num_warps": tile.warps},
-                                            source_type=GluonASTSource)
-                ptx = compiled.asm["ptx"]
-                assert offline.wgmma_serialization(compiled) is None, (head_dim, str(tile))
-                assert ptx.count("wgmma.commit_group") == 5
-                groups_per_thread = tile.streamed * head_dim // (32 * tile.warps) // 4  # dQ's tile, 4 per group
-                assert ptx.count("red.global.add.v4.f32") == groups_per_thread, (head_dim, str(tile))
-                assert "atom.global" not in ptx
-                assert resource_usage(compiled)["shared_bytes"] <= 232_448
+    for head_dim, tile, ptx in _compiled_backward_study("one"):
+        assert ptx.count("wgmma.commit_group") == 5
+        groups_per_thread = tile.streamed * head_dim // (32 * tile.warps) // 4  # dQ's tile, 4 per group
+        assert ptx.count("red.global.add.v4.f32") == groups_per_thread, (head_dim, str(tile))
+        assert "atom.global" not in ptx
     # the timing-only ablations leave out the atomics, then dQ's matmul (and dSᵀ's store)
+    study = _study("gluon_backward")
     for work, matmuls in ((2, 5), (1, 4), (0, 4)):
         consts = study.launch_constants("one", 64, torch.bfloat16, True, study.Tile(64, 64, 3), work)
         ptx = compile_function(study.KERNELS["one"], consts, {"num_warps": 4}, source_type=GluonASTSource).asm["ptx"]
@@ -291,26 +288,16 @@ def test_gluon_one_kernel_backward_with_a_reducer_warp_compiles_unserialised():
     add dQ by `red.v4` (four contiguous columns a lane) and registers are redistributed (240 or 256 for the math
     warps, 32 for the reducer); without, the math warps issue a TMA reduction per tile and wait only for it to have
     read its buffer."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    study = _study("gluon_backward")
-    for head_dim, tiles in study.ONE_WS_TILES.items():
-        for tile in tiles:
-            consts = study.launch_constants("one-ws", head_dim, torch.bfloat16, True, tile)
-            compiled = compile_function(study.KERNELS["one-ws"], consts, {"num_warps": tile.warps},
-                                        source_type=GluonASTSource)
-            ptx = compiled.asm["ptx"]
-            assert offline.wgmma_serialization(compiled) is None, (head_dim, str(tile))
-            assert ptx.count("wgmma.commit_group") == 5
-            assert resource_usage(compiled)["shared_bytes"] <= 232_448
-            if tile.reducer_warps == 0:  # TMA reductions from the math warps: no reducer, no atomics
-                assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
-                assert "cp.async.bulk.wait_group.read" in ptx and "red.global" not in ptx and "setmaxnreg" not in ptx
-                continue
-            assert "red.global.add.v4.f32" in ptx
-            # the math warps raised to 240 registers (256 when they are one warpgroup), the reducer's set to 32
-            assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(240|256);", ptx)
-            assert re.search(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+32;", ptx)
+    for _, tile, ptx in _compiled_backward_study("one-ws", causals=(True,)):
+        assert ptx.count("wgmma.commit_group") == 5
+        if tile.reducer_warps == 0:  # TMA reductions from the math warps: no reducer, no atomics
+            assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
+            assert "cp.async.bulk.wait_group.read" in ptx and "red.global" not in ptx and "setmaxnreg" not in ptx
+            continue
+        assert "red.global.add.v4.f32" in ptx
+        # the math warps raised to 240 registers (256 when they are one warpgroup), the reducer's set to 32
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(240|256);", ptx)
+        assert re.search(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+32;", ptx)
 
 
 def test_one_kernel_dq_buffer_returns_to_row_order():
