@@ -920,9 +920,11 @@ def main():
     parser.add_argument("--kernels", default="dkdv,dq,one",
                         help="which Gluon kernels to check and time: dkdv, dq, one, one-ws")
     parser.add_argument("--ablate", action="store_true", help="time the one-kernel backward without parts of dQ's work")
+    parser.add_argument("--only", default="", help="only the tiles whose name contains this (e.g. tma-reduce)")
     args = parser.parse_args()
     shapes = parse_shapes(args.shapes, SHAPES)
-    tiles = {kernel: TILES[kernel] for kernel in args.kernels.split(",")}
+    tiles = {kernel: {d: [t for t in by_d if args.only in str(t)] for d, by_d in TILES[kernel].items()}
+             for kernel in args.kernels.split(",")}
     meta = run_meta() | {"timing": "do_bench_cudagraph median, causal bf16",
                          "flops": "per matmul 2*B*H*T^2*D/2 (causal); backward 5 of them, dK/dV 4, dQ 3"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
