@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores;
 # with the D = 128 TMA candidates the suite took 378 s on 6 workers, 268 s before).
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon|gluon-sweep|pingpong|gluon-ab|gluon-bwd|gluon-one|gluon-one-ws|host]...
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|lab|variants|tma|agreement|gluon|gluon-sweep|pingpong|gluon-ab|gluon-bwd|gluon-one|gluon-one-ws|cost|host]...
 #   (default: tests bench)
 # lab: the call-path layers at three shapes (benchmarks/attention_tiles.py)
 # variants: the kernels' study switches against the kernels as they ship (benchmarks/kernel_switches.py)
@@ -17,6 +17,7 @@
 #   dQ's work (timing only: what the atomics, dQ's matmul and dSᵀ's store each cost; about 200 s at a77d100 without)
 # gluon-one-ws: the one-kernel backward with dQ's reduction on a warp of its own, checked then timed (cut at 300 s:
 #   a barrier protocol that deadlocks would hang the call)
+# cost: SFA's and the statistics' cost and SFA vs FA2 over 7 interleaved rounds, from a graph (and eager at T = 1024)
 # host: host time per eager call at the small shape, free and pinned to one core (benchmarks/host_overhead.py)
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
@@ -77,6 +78,8 @@ for part in $parts; do
                  | grep -v Warning | tee "$out/gluon-one-kernel.log" ;;
     gluon-one-ws) timeout 300 python3 benchmarks/gluon_backward.py --kernels one-ws --out "$out/gluon-one-ws-h200.json" \
                     2>&1 | grep -v Warning | tee "$out/gluon-one-ws.log" ;;
+    cost) python3 benchmarks/feature_cost.py --rounds 7 --out "$out/feature-cost-h200.json" 2>&1 | grep -v Warning \
+            | tee "$out/feature-cost.log" ;;
     host) python3 benchmarks/host_overhead.py --out "$out/host-overhead-h200.json" 2>&1 | grep -v Warning \
             | tee "$out/host-overhead.log"
           python3 benchmarks/host_overhead.py --pin-cpu 2 --out "$out/host-overhead-pinned-h200.json" 2>&1 \

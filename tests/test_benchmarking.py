@@ -1,6 +1,8 @@
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from stableflash.benchmarking import commit, parse_shapes, run_meta
 
 
@@ -16,3 +18,22 @@ def test_the_commit_is_the_environments_then_the_checkouts(monkeypatch):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True)
     assert commit() == (head.stdout.strip() if head.returncode == 0 else None)
+
+
+def test_feature_cost_compares_per_round(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import feature_cost
+
+    # a feature that takes 1.03 ms where the kernel without it takes 1.00 costs 2.9% of the throughput
+    assert feature_cost.compare([1.03, 1.10], [1.00, 1.00], "cost") == pytest.approx([100 * (1 - 1 / 1.03), 100 / 11])
+    assert feature_cost.compare([0.5], [1.0], "speedup") == [2.0]
+    shape = (1, 2, 64, 64)
+    times = {(shape, "stableflash", "g"): [1.0, 1.0, 1.0], (shape, "stableflash-sfa", "g"): [1.02, 1.05, 1.04],
+             (shape, "stableflash-sfa-stats", "g"): [1.02, 1.05, 1.04], (shape, "sdpa-flash", "g"): [2.04, 2.1, 1.04]}
+    rows = {r["comparison"]: r for r in feature_cost.summarise(times, shape, ["g"])}
+    assert rows["sfa cost"]["median"] == pytest.approx(100 * (1 - 1 / 1.04))
+    assert rows["sfa cost"]["min"] == pytest.approx(100 * (1 - 1 / 1.02))
+    assert rows["stats cost"]["max"] == 0.0
+    assert rows["sfa/fa2"]["per_round"] == pytest.approx([2.0, 2.0, 1.0]) and rows["sfa/fa2"]["median"] == 2.0
+    with pytest.raises(ValueError):  # rounds that do not pair up are a bug, not a shorter table
+        feature_cost.compare([1.0], [1.0, 1.0], "cost")
