@@ -180,8 +180,10 @@ class _Launches:
             cfg = config or (_emu_config(meta["OPS_FP32"], meta["HEAD_DIM"]) if meta["EMU"] else _cfg(64, 64, 4, 2))
             plain[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return
+        # what the compiled kernel depends on: integers exactly, tensors by dtype and 16-byte alignment (exact type
+        # tests: the arguments are tensors, ints and floats, and `isinstance` twice per argument cost more)
         key = (plain, config, torch.cuda.current_device(), tuple(meta.values()),
-               *(a if isinstance(a, int) else (a.dtype, a.data_ptr() % 16 == 0) for a in args if not isinstance(a, float)))
+               *[a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) for a in args if type(a) is not float])
         hit = self.cache.get(key)
         if hit is None:
             pick_key = None
@@ -228,8 +230,13 @@ def _traced_launch(tuned, plain, grid, *args, config=None, **meta):
                                                 num_stages=config.num_stages)
 
 
+def _ceil_div(a: int, b: int) -> int:
+    """Grid sizes on the host: `triton.cdiv` is a constexpr function in Triton 3.6, ~8 µs a call from Python."""
+    return -(-a // b)
+
+
 def _strides(t):
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]  # one call: the launches' strides are a visible part of their host time
 
 
 def _last_dim_contiguous(t):
@@ -370,7 +377,7 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
         return out, o_saved, lse, counts, smax
 
     def grid(m):  # (heads, query tiles) for SFA's native kernel (see `_meta`), else (query tiles, heads)
-        tiles = triton.cdiv(T, m["BLOCK_M"])
+        tiles = _ceil_div(T, m["BLOCK_M"])
         return (B * H, tiles) if meta["HEADS_FIRST"] else (tiles, B * H)
 
     tuned = _fwd_either if either else _fwd
@@ -394,17 +401,17 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     if delta_meta is not None:
-        launch(None, kernels._attn_bwd_delta_dpp, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+        launch(None, kernels._attn_bwd_delta_dpp, lambda m: (_ceil_div(T, m["BLOCK_M"]), B * H),
                q, k, v, dout, lse, delta, *strides, H, T, scale * units, spec.logical_n, HEAD_DIM=D, CAUSAL=causal,
                **delta_meta, config=_emu_config(spec.ops_fp32, D))
     dq = empty_in_layout_of(q, q.dtype)
     dk = empty_in_layout_of(k, k.dtype)
     dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
-    launch(_dq_either if either else _dq, kernels._attn_bwd_dq, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H),
+    launch(_dq_either if either else _dq, kernels._attn_bwd_dq, lambda m: (_ceil_div(T, m["BLOCK_M"]), B * H),
            q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
            scale * units, scale, spec.logical_n, HEAD_DIM=D, CAUSAL=causal, **meta, **dq_meta, config=tiles[1])
-    launch(_dkdv_either if either else _dkdv, kernels._attn_bwd_dkdv, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H),
+    launch(_dkdv_either if either else _dkdv, kernels._attn_bwd_dkdv, lambda m: (_ceil_div(T, m["BLOCK_N"]), B * H),
            q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * units, scale, spec.logical_m,
            HEAD_DIM=D, CAUSAL=causal, **meta, **dkdv_meta, config=tiles[0])
     return dq, dk, dv
