@@ -92,13 +92,13 @@ def call_paths(shape) -> dict:
 
     def single_threaded():
         with torch.autograd.set_multithreading_enabled(False):
-            ops.FlashAttention.apply(q, k, v, True, scale, key, False, 0.0)[0].backward(dout)
+            ops.FlashAttention.apply(q, k, v, True, scale, key, False, 0.0, None).backward(dout)
 
     paths = {
         "python-identity-function+backward": lambda: IdentityFunction.apply(q).backward(dout),
         "ops.forward+ops.backward": direct,
         "FlashAttention.apply+backward, engine on the calling thread": single_threaded,
-        "FlashAttention.apply+backward": lambda: ops.FlashAttention.apply(q, k, v, True, scale, key, False, 0.0)[0]
+        "FlashAttention.apply+backward": lambda: ops.FlashAttention.apply(q, k, v, True, scale, key, False, 0.0, None)
         .backward(dout),
         "flash_attention+backward": lambda: flash_attention(q, k, v, backend="triton").backward(dout),
         "flash_attention(sfa)+backward": lambda: flash_attention(q, k, v, backend="triton", stabilize=SFA())

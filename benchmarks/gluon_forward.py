@@ -29,7 +29,7 @@ from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.attention.precision import resolve
 from stableflash.attention.triton import ops
 from stableflash.attention.triton.hopper import Tile, _attn_fwd_hopper, constants, grid
-from stableflash.attention.triton.ops import ensure_scratch_allocator, tma_streamable
+from stableflash.attention.triton.ops import ensure_scratch_allocator, fresh_stat_targets, tma_streamable
 from stableflash.attention.triton.spec import LOG2E, build_spec
 from stableflash.benchmarking import parse_shapes, run_meta
 
@@ -78,7 +78,7 @@ def launch_constants(head_dim: int, dtype, T: int, causal: bool, loader_warp: bo
 def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stabilize=None, stats_eps=None,
             tile: Tile | None = None):
     """The Gluon kernel: attention output (B, H, T, D), log-sum-exp (B, H, T, base 2), and the statistics (rows with
-    a repeated maximum and P̄ = 1 entries per head, (H, 2) int32; largest score per head, (H,)) when `stats_eps` is
+    a repeated maximum, P̄ = 1 entries and rows per head, (H, 3) int64; largest score per head, (H,)) when `stats_eps` is
     given. `loader_warp`: K and V streamed by a warp of their own (`gl.warp_specialize`) rather than by the
     computing warps; `stabilize`: None or an `SFA`; `tile`: the launch shape (default `tile_for(D)`)."""
     B, H, T, D = q.shape
@@ -91,8 +91,7 @@ def forward(q, k, v, causal: bool, scale: float, loader_warp: bool = False, stab
     consts, eps_u = launch_constants(D, q.dtype, T, causal, loader_warp, stabilize, stats_eps, tile)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-    counts = torch.zeros(H, 2, device=q.device, dtype=torch.int32)
-    smax = torch.full((H,), float("-inf"), device=q.device, dtype=torch.float32)
+    counts, smax = fresh_stat_targets(H, q.device)
     _attn_fwd_hopper[grid(B * H, T, tile)](q, k, v, out, lse, counts, smax, *q.stride()[:3], *k.stride()[:3],
                                            *v.stride()[:3], *out.stride()[:3], H, T, scale * LOG2E, eps_u, **consts)
     return out, lse, counts, smax

@@ -24,9 +24,7 @@ class AttentionStats:
 
     num_heads: int
     eps: float = 1e-3
-    rows: torch.Tensor = field(init=False)
-    repeated_max_rows: torch.Tensor = field(init=False)
-    pbar_ones: torch.Tensor = field(init=False)
+    counts: torch.Tensor = field(init=False)  # (num_heads, 3) int64: repeated_max_rows, pbar_ones, rows
     max_score: torch.Tensor = field(init=False)
 
     def __post_init__(self):
@@ -36,17 +34,36 @@ class AttentionStats:
             raise ValueError(f"eps: expected a number >= 0, got {self.eps!r}")
         self.reset()
 
+    # the three counters are columns of one tensor, a head's three side by side, so that a kernel adds to them
+    # through one pointer (`kernel_targets`)
+    @property
+    def repeated_max_rows(self) -> torch.Tensor:
+        return self.counts[:, 0]
+
+    @property
+    def pbar_ones(self) -> torch.Tensor:
+        return self.counts[:, 1]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.counts[:, 2]
+
     def reset(self, device: torch.device | str | None = None) -> None:
-        device = device if device is not None else getattr(self, "rows", torch.empty(0)).device
-        self.rows = torch.zeros(self.num_heads, dtype=torch.int64, device=device)
-        self.repeated_max_rows = torch.zeros_like(self.rows)
-        self.pbar_ones = torch.zeros_like(self.rows)
+        device = device if device is not None else getattr(self, "counts", torch.empty(0)).device
+        self.counts = torch.zeros(self.num_heads, 3, dtype=torch.int64, device=device)
         self.max_score = torch.full((self.num_heads,), -torch.inf, dtype=torch.float32, device=device)
 
     def _to(self, device: torch.device) -> None:
-        if self.rows.device != device:
-            for name in ("rows", "repeated_max_rows", "pbar_ones", "max_score"):
-                setattr(self, name, getattr(self, name).to(device))
+        if self.counts.device != device:
+            self.counts, self.max_score = self.counts.to(device), self.max_score.to(device)
+
+    def kernel_targets(self, heads: torch.Tensor | slice, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views a kernel can add the counts of heads `heads` to in place, on `device`: counts (H, 3) and max_score
+        (H,), head h's at offsets 3h and h; None where the heads are not a run of consecutive ones (an index tensor)."""
+        if not isinstance(heads, slice) or heads.step not in (None, 1):
+            return None
+        self._to(device)
+        return self.counts[heads], self.max_score[heads]
 
     def add(self, heads: torch.Tensor | slice, rows, repeated_max_rows, pbar_ones, max_score) -> None:
         """Accumulate per-head counts for the heads `heads` (a slice or an index tensor); `rows` may be one number

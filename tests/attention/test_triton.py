@@ -221,6 +221,25 @@ def test_stats_match_the_reference_and_count_ties(T, causal):
     assert sfa.pbar_ones.tolist() == sfa_ref.pbar_ones.tolist() == ([1, 1] if causal else [0, 0])
 
 
+def test_stats_accumulate_in_place_over_calls_and_on_overridden_heads():
+    """Eagerly the kernel adds to `AttentionStats.counts` itself: a second call doubles every count and keeps the
+    maxima; a per-head override runs each group of heads on its own (index heads: fresh counts, then added), and
+    each head's counts are those of the same head run alone."""
+    q, k, v = (t.to(DEVICE) for t in tied_inputs(3, T=100, D=64, heads=3))
+    stats, ref = AttentionStats(3), AttentionStats(3)
+    flash_attention(q, k, v, precision="fa2", backend="reference", stats=ref)
+    for calls in (1, 2):
+        _attention(q, k, v, precision="fa2", stats=stats)
+        assert stats.counts.tolist() == (ref.counts * calls).tolist() and stats.rows.tolist() == [q.shape[0] * 100 * calls] * 3
+        assert torch.allclose(stats.max_score.cpu(), ref.max_score.cpu(), rtol=1e-2)
+    mixed, alone = AttentionStats(3), [AttentionStats(1) for _ in range(3)]
+    _attention(q, k, v, precision=resolve("paper").with_heads([0, 2], "fa2"), stats=mixed)
+    for h, precision in enumerate(("fa2", "paper", "fa2")):
+        _attention(*(t[:, h:h + 1].contiguous() for t in (q, k, v)), precision=precision, stats=alone[h])
+    assert mixed.counts.tolist() == [s.counts[0].tolist() for s in alone]
+    assert mixed.max_score.tolist() == [s.max_score.item() for s in alone]
+
+
 def _copied_key_inputs(D):
     """(2, 3, 200, D) random inputs whose keys 150..169 copy keys 20..39 (ties across 64-key tiles for the rows whose
     maximum is among those) and 56..63 copy 48..55 (ties within the first tile)."""

@@ -101,13 +101,23 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
-    B, _, T, D = q.shape
+    _, H, T, D = q.shape
     key = _kernel_key(policy.cache_key, stab_module.cache_key(stabilize), q.dtype, D, T)
     args = (q, k, v, causal, float(scale), key, stats is not None, float(stats.eps) if stats is not None else 0.0)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # functional ops: the counts come back, added to `stats` below
         out, _, _, counts, smax = ops.compiled_forward_op()(*args)
+    elif stats is None:
+        return ops.FlashAttention.apply(*args, None)
     else:
-        out, counts, smax = ops.FlashAttention.apply(*args)
+        # the kernel adds to the running totals in place where the heads are a run of them, else to fresh zeros
+        targets = stats.kernel_targets(heads, q.device)
+        if targets is not None:
+            return ops.FlashAttention.apply(*args, targets)
+        counts, smax = ops.fresh_stat_targets(H, q.device)
+        out = ops.FlashAttention.apply(*args, (counts, smax))
     if stats is not None:
-        stats.add(heads, rows=B * T, repeated_max_rows=counts[:, 0], pbar_ones=counts[:, 1], max_score=smax)
+        stats.add(heads, rows=counts[:, 2], repeated_max_rows=counts[:, 0], pbar_ones=counts[:, 1], max_score=smax)
+    return out
+    if stats is not None:
+        stats.add(heads, rows=counts[:, 2], repeated_max_rows=counts[:, 0], pbar_ones=counts[:, 1], max_score=smax)
     return out

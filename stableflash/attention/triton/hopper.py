@@ -184,8 +184,9 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
         row_ok = rows < T
         n_repeated, n_ones, row_max = gl.reduce((gl.where(row_ok, repeated, 0), gl.where(row_ok, ones, 0),
                                                  gl.where(row_ok, smax, float("-inf"))), 0, kernels._stats_combine)
-        gl.atomic_add(STAT_COUNTS + h * 2, n_repeated, sem="relaxed")
-        gl.atomic_add(STAT_COUNTS + h * 2 + 1, n_ones, sem="relaxed")
+        gl.atomic_add(STAT_COUNTS + h * 3, n_repeated.to(gl.int64), sem="relaxed")
+        gl.atomic_add(STAT_COUNTS + h * 3 + 1, n_ones.to(gl.int64), sem="relaxed")
+        gl.atomic_add(STAT_COUNTS + h * 3 + 2, gl.maximum(gl.minimum(T - m0, BLOCK_M), 0).to(gl.int64), sem="relaxed")
         gl.atomic_max(STAT_MAX + h, row_max / _LOG2E, sem="relaxed")
 
 

@@ -413,9 +413,12 @@ def _attn_fwd(
         # one reduction over the rows for all three (cross-warp: one round of shared memory and barriers, not three)
         n_repeated, n_ones, row_max = tl.reduce((tl.where(row_ok, repeated, 0), tl.where(row_ok, ones, 0),
                                                  tl.where(row_ok, smax, float("-inf"))), 0, _stats_combine)
-        # relaxed: the counters need atomicity, not ordering (the default acq_rel fences every program's end)
-        tl.atomic_add(STAT_COUNTS + h * 2, n_repeated, sem="relaxed")
-        tl.atomic_add(STAT_COUNTS + h * 2 + 1, n_ones, sem="relaxed")
+        # relaxed: the counters need atomicity, not ordering (the default acq_rel fences every program's end).
+        # STAT_COUNTS: (H, 3) int64, per head rows with a repeated maximum, P̄ = 1 entries and rows seen
+        # (`AttentionStats.counts` itself on the eager path, so no kernel runs after this one to add them)
+        tl.atomic_add(STAT_COUNTS + h * 3, n_repeated.to(tl.int64), sem="relaxed")
+        tl.atomic_add(STAT_COUNTS + h * 3 + 1, n_ones.to(tl.int64), sem="relaxed")
+        tl.atomic_add(STAT_COUNTS + h * 3 + 2, tl.minimum(T - pid_m * BLOCK_M, BLOCK_M).to(tl.int64), sem="relaxed")
         if not EMU:
             row_max = row_max / _LOG2E
         tl.atomic_max(STAT_MAX + h, row_max, sem="relaxed")

@@ -74,12 +74,13 @@ def _prune(configs, named_args, **meta):
             if not (big_d and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64 and c.num_warps < 8)] or configs
 
 
-def _tuned(kernel, configs, reset=(), extra_key=()):
+def _tuned(kernel, configs, restore=(), extra_key=()):
     if INTERPRET:
         return None
-    # the statistics kernel adds counts with atomics: autotuning's repeated runs must start from zero
+    # the statistics kernel adds counts with atomics, on the eager path into the caller's running totals:
+    # autotuning's trial runs must leave them as they found them
     return triton.autotune(configs, key=["T", "HEAD_DIM", "CAUSAL", "EMU", "OPS_FP32", *extra_key],
-                           prune_configs_by={"early_config_prune": _prune}, reset_to_zero=list(reset))(kernel)
+                           prune_configs_by={"early_config_prune": _prune}, restore_value=list(restore))(kernel)
 
 
 def _either_load(configs):
@@ -88,12 +89,13 @@ def _either_load(configs):
             for c in configs for tma in (False, True)]
 
 
-_fwd = _tuned(kernels._attn_fwd, _FWD_CONFIGS, reset=("STAT_COUNTS",), extra_key=("STAB", "STATS"))
+_fwd = _tuned(kernels._attn_fwd, _FWD_CONFIGS, restore=("STAT_COUNTS",), extra_key=("STAB", "STATS"))
 _dkdv = _tuned(kernels._attn_bwd_dkdv, _DKDV_CONFIGS)
 _dq = _tuned(kernels._attn_bwd_dq, _DQ_CONFIGS)
 # At D >= 128 the native kernels autotune the load path too (on an H200 TMA gained 2-5% on 8-warp tiles and lost 2%
 # on 64x64/4 warps; at D = 64 it lost 1-10% everywhere, so it is not tried there: results/kernel-variants/)
-_fwd_either = _tuned(kernels._attn_fwd, _either_load(_FWD_CONFIGS), reset=("STAT_COUNTS",), extra_key=("STAB", "STATS"))
+_fwd_either = _tuned(kernels._attn_fwd, _either_load(_FWD_CONFIGS), restore=("STAT_COUNTS",),
+                     extra_key=("STAB", "STATS"))
 _dkdv_either = _tuned(kernels._attn_bwd_dkdv, _either_load(_DKDV_CONFIGS))
 _dq_either = _tuned(kernels._attn_bwd_dq, _either_load(_DQ_CONFIGS))
 TMA_MIN_HEAD_DIM = 128
@@ -337,11 +339,13 @@ def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_eps: float, tile=None, launch=_launch,
-            **variants):
-    """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,2) int32, max (H,) fp32).
+            stat_targets=None, **variants):
+    """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,3) int64, max (H,) fp32).
 
     lse is in base-2 units for the native kernels and natural units under emulation: only the backward reads it.
-    Without `stats` the two counters are empty. `variants`: the forward kernel's study switches (`TMA`;
+    With `stats`, per head: rows with a repeated maximum, P̄ = 1 entries and rows seen, and the largest score, added
+    to `stat_targets` = (counts, max) where given (`AttentionStats.kernel_targets`: the running totals themselves),
+    else to fresh zeros and -inf; without `stats` both are empty. `variants`: the forward kernel's study switches (`TMA`;
     benchmarks/kernel_switches.py), with a fixed `tile`. Without either, on sm_90 the Gluon forward runs where
     `_hopper_tile` has a tile (traced, as the opaque op: inductor launches only Triton kernels); elsewhere, at
     D >= 128, the autotuner also chooses between pointer and TMA loads (`_tma_candidate`).
@@ -360,11 +364,12 @@ def forward(q, k, v, causal: bool, scale: float, key: str, stats: bool, stats_ep
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else out.new_empty(0)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    if stats:
-        counts = torch.zeros(H, 2, dtype=torch.int32, device=q.device)
-        smax = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    if stats and stat_targets is not None:
+        counts, smax = stat_targets
+    elif stats:
+        counts, smax = fresh_stat_targets(H, q.device)
     else:
-        counts = torch.empty(0, dtype=torch.int32, device=q.device)
+        counts = torch.empty(0, dtype=torch.int64, device=q.device)
         smax = torch.empty(0, dtype=torch.float32, device=q.device)
     units = 1.0 if spec.emu else LOG2E
     eps_u = spec.eps if spec.stab == 1 else stats_eps * units
@@ -417,22 +422,27 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, key: str, 
     return dq, dk, dv
 
 
+def fresh_stat_targets(num_heads: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed counters (H, 3) int64 and maxima (H,) at -inf for the forward kernel's statistics to add to."""
+    return (torch.zeros(num_heads, 3, dtype=torch.int64, device=device),
+            torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device))
+
+
 class FlashAttention(torch.autograd.Function):
-    """Eager path: the same launchers without the custom-op dispatch (cheaper per call)."""
+    """Eager path: the same launchers without the custom-op dispatch (cheaper per call); with `stats`, the kernel
+    adds its counts to `stat_targets` in place (no output, no kernel after it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, key, stats, stats_eps):
-        output = forward(q, k, v, causal, scale, key, stats, stats_eps)
+    def forward(ctx, q, k, v, causal, scale, key, stats, stats_eps, stat_targets):
+        output = forward(q, k, v, causal, scale, key, stats, stats_eps, stat_targets=stat_targets)
         _setup_context(ctx, (q, k, v, causal, scale, key, stats, stats_eps), output)
-        out, _, _, counts, smax = output
-        ctx.mark_non_differentiable(counts, smax)
-        return out, counts, smax
+        return output[0]
 
     @staticmethod
     def backward(ctx, dout, *_):
         q, k, v, o_saved, lse = ctx.saved_tensors
         dq, dk, dv = backward(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.key)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # -- torch.library ops ------------------------------------------------------------------------------
@@ -456,7 +466,7 @@ def _(q, k, v, causal, scale, key, stats, stats_eps):
     B, H, T, _ = q.shape
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else q.new_empty(0)
-    return (out, o_saved, q.new_empty(B, H, T, dtype=torch.float32), q.new_empty(H, 2, dtype=torch.int32),
+    return (out, o_saved, q.new_empty(B, H, T, dtype=torch.float32), q.new_empty(H, 3, dtype=torch.int64),
             q.new_empty(H, dtype=torch.float32))
 
 
