@@ -389,6 +389,7 @@ def test_the_gluon_forward_on_hopper_matches_the_reference_at_its_tiles(D, causa
         for name, a, b, c in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
             _assert_within_twice_the_reference(name, a, b, c, dtype)
         if stats is not None and gluon:  # at the reference's tiles: the same rows, P̄ = 1 entries and maxima
+            assert stats.rows.tolist() == ref_stats.rows.tolist() == [2 * 333] * 3  # counted by the kernel
             assert stats.repeated_max_rows.tolist() == ref_stats.repeated_max_rows.tolist()
             assert stats.pbar_ones.tolist() == ref_stats.pbar_ones.tolist() and stats.pbar_ones.sum() > 0
             assert torch.allclose(stats.max_score.cpu(), ref_stats.max_score.cpu(), rtol=1e-2)
