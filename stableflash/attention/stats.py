@@ -67,8 +67,8 @@ class AttentionStats:
 
     def add(self, heads: torch.Tensor | slice, rows, repeated_max_rows, pbar_ones, max_score) -> None:
         """Accumulate per-head counts for the heads `heads` (a slice or an index tensor); `rows` may be one number
-        for every head. With a slice, each counter is one in-place kernel: this runs after every attention call,
-        and at small sizes its launches cost more host time than the kernels they follow."""
+        for every head. With a slice, each counter is one in-place kernel. (Eagerly the Triton kernels skip this and
+        add to `kernel_targets` themselves: at small sizes these launches cost more than the kernels they follow.)"""
         self._to(max_score.device)
         self.rows[heads] += rows
         self.repeated_max_rows[heads] += repeated_max_rows

@@ -118,6 +118,3 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
     if stats is not None:
         stats.add(heads, rows=counts[:, 2], repeated_max_rows=counts[:, 0], pbar_ones=counts[:, 1], max_score=smax)
     return out
-    if stats is not None:
-        stats.add(heads, rows=counts[:, 2], repeated_max_rows=counts[:, 0], pbar_ones=counts[:, 1], max_score=smax)
-    return out
