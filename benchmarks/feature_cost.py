@@ -21,7 +21,7 @@ from attention import SHAPES, implementations, measure  # benchmarks/ is the scr
 from stableflash.benchmarking import parse_shapes, run_meta
 
 IMPLS = ("stableflash", "stableflash-sfa", "stableflash-sfa-stats", "sdpa-flash")
-# (name, numerator impl, denominator impl, how to read the time ratio t_a / t_b)
+# (name, impl a, impl b, how a is read against b: `compare`)
 COMPARISONS = (("sfa cost", "stableflash-sfa", "stableflash", "cost"),
                ("stats cost", "stableflash-sfa-stats", "stableflash-sfa", "cost"),
                ("sfa/fa2", "stableflash-sfa", "sdpa-flash", "speedup"))
