@@ -22,7 +22,7 @@ SM90 = GPUTarget("cuda", 90, 32)
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "OS", "DO", "DK", "DV", "DQ")},
-             **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX", "DQ_ACC")}, "STAT_COUNTS": "*i32"}
+             **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX", "DQ_ACC")}, "STAT_COUNTS": "*i64"}
 _FLOATS = {"scale", "qk_scale", "eps_u"}
 KERNELS = {"fwd": kernels._attn_fwd, "delta_dpp": kernels._attn_bwd_delta_dpp, "dkdv": kernels._attn_bwd_dkdv,
            "dq": kernels._attn_bwd_dq}
