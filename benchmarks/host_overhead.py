@@ -21,25 +21,20 @@ import pstats
 import statistics
 import time
 
+import attention  # benchmarks/attention.py: this script's directory is on sys.path
 import torch
 import triton
-from attention import _sdpa  # benchmarks/attention.py: this script's directory is on sys.path
 from attention_tiles import IdentityFunction
-from torch.nn.attention import SDPBackend
 
-from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.benchmarking import parse_shapes, run_meta
+
+IMPLS = ("stableflash", "stableflash-sfa", "stableflash-sfa-stats", "sdpa-flash")
 
 
 def implementations(num_heads: int) -> dict:
-    stats = AttentionStats(num_heads)
-    return {
-        "stableflash": lambda q, k, v: flash_attention(q, k, v, backend="triton"),
-        "stableflash-sfa": lambda q, k, v: flash_attention(q, k, v, backend="triton", stabilize=SFA()),
-        "stableflash-sfa-stats": lambda q, k, v: flash_attention(q, k, v, backend="triton", stabilize=SFA(),
-                                                                 stats=stats),
-        "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
-    }
+    """The eager calls of `benchmarks/attention.py` that this study compares."""
+    impls = attention.implementations(num_heads)
+    return {name: impls[name] for name in IMPLS}
 
 
 def host_us(call, repeats: int) -> float:
