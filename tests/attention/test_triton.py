@@ -469,6 +469,45 @@ def test_repeated_calls_reuse_the_compiled_kernel_and_follow_new_inputs():
         assert sizes[2] == sizes[3] == sizes[1], "the same shape again must not add launch-cache entries"
 
 
+@pytest.mark.skipif(INTERPRET, reason="the interpreter's launches are not planned")
+@pytest.mark.parametrize("T,D,stabilize,layout", [(300, 64, None, "contiguous"), (300, 64, SFA(), "model heads"),
+                                                  (4096, 64, None, "contiguous"), (1000, 128, SFA(), "model heads")])
+def test_replayed_eager_calls_give_the_launchers_bits(T, D, stabilize, layout, monkeypatch):
+    """After the first eager call of a signature, later ones replay its plan (`replay`) without running the
+    launchers' Python; on new inputs they give the bits the launchers give, the statistics' totals included.
+    (4096, 64): the Gluon forward on sm_90; D = 128: TMA candidates."""
+    from stableflash.attention.triton import ops
+
+    def inputs():
+        shape = (2, T, 3, D) if layout == "model heads" else (2, 3, T, D)
+        q, k, v = (t.detach() for t in _inputs(shape))
+        if layout == "model heads":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return [t.requires_grad_() for t in (q, k, v)], torch.randn_like(q)
+
+    def call(q, k, v, dout, stats):
+        return _run(lambda *qkv: _attention(*qkv, stabilize=stabilize, stats=stats), q, k, v, dout)
+
+    (q, k, v), dout = inputs()
+    call(q, k, v, dout, AttentionStats(3))  # plans the forward and the backward of this signature
+    planned = len(ops._eager_plans.plans)
+    launched = []
+    forward, backward = ops.forward, ops.backward
+    monkeypatch.setattr(ops, "forward", lambda *a, **kw: launched.append("forward") or forward(*a, **kw))
+    monkeypatch.setattr(ops, "backward", lambda *a, **kw: launched.append("backward") or backward(*a, **kw))
+    (q, k, v), dout = inputs()
+    replayed_stats, launcher_stats = AttentionStats(3), AttentionStats(3)
+    replayed = call(q, k, v, dout, replayed_stats)
+    assert launched == [] and len(ops._eager_plans.plans) == planned
+    monkeypatch.setattr(ops, "_eager_plans", lambda run, static, tensors: run())
+    by_launchers = call(q, k, v, dout, launcher_stats)
+    assert launched == ["forward", "backward"]
+    for a, b in zip(replayed, by_launchers):
+        assert a.stride() == b.stride() and torch.equal(a, b)
+    assert torch.equal(replayed_stats.counts, launcher_stats.counts)
+    assert torch.equal(replayed_stats.max_score, launcher_stats.max_score)
+
+
 def test_unsupported_arguments_name_the_argument():
     from stableflash.attention import triton as backend
     q = torch.randn(1, 1, 8, 48, dtype=torch.bfloat16)

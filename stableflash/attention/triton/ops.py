@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 from triton.runtime import _allocation  # the allocator in effect: Triton has no public getter
 
-from stableflash.attention.triton import kernels
+from stableflash.attention.triton import kernels, replay
 from stableflash.attention.triton.picks import TILE_PICKS, PickKey
 from stableflash.attention.triton.spec import INTERPRET, LOG2E, PHYSICAL_TILE, KernelSpec
 
@@ -161,6 +161,7 @@ def pin_tiles(state: list[dict]) -> None:
     launches this process has cached are forgotten so that the next ones take them."""
     TILE_PICKS.load_state_dict(state)
     _launches.cache.clear()
+    _eager_plans.clear()
 
 
 class _Launches:
@@ -171,7 +172,8 @@ class _Launches:
     more time on the host than on the GPU (measured on an H200: docs/kernel-notes.md). The first call for
     each (kernel, device, compile-time arguments, integer arguments, pointer alignments, dtypes) goes through
     Triton (autotuning once); later calls reuse the compiled kernel and its tile and call its launcher
-    directly, the way Triton's own `CompiledKernel.__getitem__` does.
+    directly, the way Triton's own `CompiledKernel.__getitem__` does. Every launch is also shown to `replay.note`
+    (kept while an eager call is being planned).
     """
 
     def __init__(self):
@@ -200,14 +202,16 @@ class _Launches:
                 compiled = plain[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                                       num_stages=config.num_stages)
             self.cache[key] = (compiled, config.kwargs, trailing_constexprs(plain, len(args), meta, config))
+            replay.note(compiled, grid(config.kwargs), args, self.cache[key][2])
             return
         compiled, tile, constexprs = hit
         g = grid(tile)
         stream = torch.cuda.current_stream().cuda_stream
-        enter, exit_ = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+        enter, exit_ = replay.launch_hooks()
         metadata = compiled.launch_metadata(g, stream, *args, *constexprs) if enter is not None else None
         compiled.run(g[0], g[1] if len(g) > 1 else 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
                      enter, exit_, *args, *constexprs)
+        replay.note(compiled, g, args, constexprs)
 
 
 _launches = _Launches()
@@ -428,20 +432,27 @@ def fresh_stat_targets(num_heads: int, device) -> tuple[torch.Tensor, torch.Tens
             torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device))
 
 
+_eager_plans = replay.EagerPlans(ensure_scratch_allocator)
+
+
 class FlashAttention(torch.autograd.Function):
-    """Eager path: the same launchers without the custom-op dispatch (cheaper per call); with `stats`, the kernel
-    adds its counts to `stat_targets` in place (no output, no kernel after it)."""
+    """Eager path: the same launchers without the custom-op dispatch (cheaper per call), each call after the first
+    of its signature replayed from a plan (`replay`); with `stats`, the kernel adds its counts to `stat_targets` in
+    place (no output, no kernel after it)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, key, stats, stats_eps, stat_targets):
-        output = forward(q, k, v, causal, scale, key, stats, stats_eps, stat_targets=stat_targets)
+        output = _eager_plans(lambda: forward(q, k, v, causal, scale, key, stats, stats_eps, stat_targets=stat_targets),
+                              ("fwd", key, causal, scale, stats, stats_eps, HOPPER_FORWARD, AUTOTUNE_TMA),
+                              (q, k, v, *(stat_targets or ())))
         _setup_context(ctx, (q, k, v, causal, scale, key, stats, stats_eps), output)
         return output[0]
 
     @staticmethod
     def backward(ctx, dout, *_):
         q, k, v, o_saved, lse = ctx.saved_tensors
-        dq, dk, dv = backward(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.key)
+        dq, dk, dv = _eager_plans(lambda: backward(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.key),
+                                  ("bwd", ctx.key, ctx.causal, ctx.scale, AUTOTUNE_TMA), (dout, q, k, v, o_saved, lse))
         return dq, dk, dv, None, None, None, None, None, None
 
 
