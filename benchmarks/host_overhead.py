@@ -3,8 +3,10 @@
 At (16,12,1024,64) a forward+backward takes ~0.4 ms of GPU time, and the eager benchmark has read 0.49-0.79 ms for
 the same kernels in different processes. For each implementation this measures, at one shape: the host time of a
 forward and of a forward+backward (the queue drained before each call, so the host never waits for the GPU), the
-eager time as `benchmarks/attention.py` takes it (`do_bench`) and the device time from a CUDA graph. It also times
-the autograd engine alone (a backward through one Python `autograd.Function` against one built-in op, on a 1-element
+eager time as `benchmarks/attention.py` takes it (`do_bench`) and the device time from a CUDA graph; ours twice, with
+eager calls replayed from plans (as shipped) and through the launchers every call (`-launchers`, with
+`replay.EagerPlans.enabled` off): the A/B of `attention/triton/replay.py` in one process. It also times the autograd
+engine alone (a backward through one Python `autograd.Function` against one built-in op, on a 1-element
 CUDA tensor) and profiles our forward+backward's Python (cProfile, by own time).
 
     python benchmarks/host_overhead.py --out results/host-overhead/host-overhead-h200.json [--pin-cpu 3]
@@ -26,6 +28,7 @@ import torch
 import triton
 from attention_tiles import IdentityFunction
 
+from stableflash.attention.triton import ops
 from stableflash.benchmarking import parse_shapes, run_meta
 
 IMPLS = ("stableflash", "stableflash-sfa", "stableflash-sfa-stats", "sdpa-flash")
@@ -105,10 +108,15 @@ def main():
         os.sched_setaffinity(0, {args.pin_cpu})
     rows = []
     for shape in parse_shapes(args.shapes, [(16, 12, 1024, 64)]):
-        for name, fn in implementations(shape[1]).items():
+        runs = [(name, fn, replayed) for name, fn in implementations(shape[1]).items()
+                for replayed in ((True, False) if name.startswith("stableflash") else (True,))]
+        for name, fn, replayed in runs:
+            name = name if replayed else f"{name}-launchers"
+            ops._eager_plans.enabled = replayed
             row = measure(name, fn, shape, args.repeats)
+            ops._eager_plans.enabled = True
             rows.append(row)
-            print(f"{str(shape):<20}{name:<24}fwd host {row['fwd_host_us']:7.1f} us   fwd+bwd host "
+            print(f"{str(shape):<20}{name:<34}fwd host {row['fwd_host_us']:7.1f} us   fwd+bwd host "
                   f"{row['fwdbwd_host_us']:7.1f} us   eager {row['fwdbwd_eager_us']:7.1f} us   graph "
                   f"{row['fwdbwd_graph_us']:7.1f} us")
     engine = engine_us(args.repeats)

@@ -83,3 +83,65 @@ def test_launches_are_recorded_only_inside_record():
         replay.note("kernel", (3, 2), (2,), ("C",))
     replay.note("kernel", (3,), (1,), ())
     assert [(launch.grid, launch.args) for launch in launches] == [((3, 1), (1,)), ((3, 2), (2,))]
+
+
+class RecordingLaunchCache(dict):
+    """`ops._Launches.cache` holding one stand-in kernel for every launch, so launches run on the CPU: no compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = StandInKernel()
+
+    def get(self, key, default=None):
+        return self.kernel, {"BLOCK_M": 64, "BLOCK_N": 64}, ()
+
+
+def test_eager_calls_replay_the_launchers_arguments_with_their_own_tensors(monkeypatch):
+    """Through `FlashAttention` (forward and backward, SFA and statistics): the second call of a signature runs no
+    launcher and passes its kernels what the launchers would: its own inputs where the first call's were, fresh
+    tensors shaped like the first call's allocations elsewhere (one δ shared by the two backward kernels), and the
+    same integers and floats."""
+    from stableflash import SFA
+    from stableflash.attention import precision, stabilize
+    from stableflash.attention.triton import _kernel_key, ops
+
+    cache = RecordingLaunchCache()
+    monkeypatch.setattr(ops._launches, "cache", cache)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("Stream", (), {"cuda_stream": 7}))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    plans = replay.EagerPlans(ops.ensure_scratch_allocator, device_types=("cpu",))
+    monkeypatch.setattr(ops, "_eager_plans", plans)
+    B, H, T, D = 2, 3, 40, 64
+    key = _kernel_key(precision.resolve("fa2").cache_key, stabilize.cache_key(SFA()), torch.bfloat16, D, T)
+
+    def call():
+        q, k, v = (torch.randn(B, T, H, D, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3))
+        targets = ops.fresh_stat_targets(H, "cpu")
+        dout = torch.randn_like(q)
+        cache.kernel.calls.clear()
+        ops.FlashAttention.apply(q, k, v, True, 0.125, key, True, 1e-3, targets).backward(dout)
+        return (q, k, v, *targets, dout), [args for _, args in cache.kernel.calls]
+
+    launched, forward = [], ops.forward
+    monkeypatch.setattr(ops, "forward", lambda *a, **kw: launched.append("forward") or forward(*a, **kw))
+    first_inputs, first = call()
+    second_inputs, second = call()
+    assert launched == ["forward"] and len(plans.plans) == 2 and len(first) == len(second) == 3
+    first_ids = {id(t): i for i, t in enumerate(first_inputs)}
+    fresh = {}  # the first call's allocations -> the second call's
+    for args1, args2 in zip(first, second):
+        assert len(args1) == len(args2)
+        for a1, a2 in zip(args1, args2):
+            if not isinstance(a1, torch.Tensor):
+                assert a1 == a2
+            elif id(a1) in first_ids:
+                assert a2 is second_inputs[first_ids[id(a1)]]
+            else:
+                assert fresh.setdefault(id(a1), a2) is a2 and all(a2 is not t for t in second_inputs)
+                assert (a2.shape, a2.stride(), a2.dtype) == (a1.shape, a1.stride(), a1.dtype)
+    def tensor_ids(args):
+        return {id(a) for a in args if isinstance(a, torch.Tensor)}
+
+    # δ: allocated by the backward, written by the dQ kernel and read by the dK/dV kernel (mapped once, above)
+    delta = (tensor_ids(first[1]) & tensor_ids(first[2])) - tensor_ids(first[0]) - set(first_ids)
+    assert len(delta) == 1

@@ -432,7 +432,8 @@ def fresh_stat_targets(num_heads: int, device) -> tuple[torch.Tensor, torch.Tens
             torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device))
 
 
-_eager_plans = replay.EagerPlans(ensure_scratch_allocator)
+_eager_plans = replay.EagerPlans(ensure_scratch_allocator, enabled=os.environ.get("STABLEFLASH_REPLAY", "1") != "0")
+"""STABLEFLASH_REPLAY=0: every eager call runs the launchers (`replay`; to compare, or to rule replay out)."""
 
 
 class FlashAttention(torch.autograd.Function):

@@ -118,13 +118,17 @@ class EagerPlans:
 
     MAX_PLANS = 1024  # a run with ever new shapes would otherwise keep one per shape
 
-    def __init__(self, ensure_scratch: Callable[[], None]):
+    def __init__(self, ensure_scratch: Callable[[], None], enabled: bool = True, device_types: tuple = ("cuda",)):
         self.plans: dict[tuple, Plan] = {}
         self.ensure_scratch = ensure_scratch  # sets Triton's scratch allocator on this thread where none is set
+        self.enabled = enabled  # False: every call runs the launchers (to compare, or to rule replay out)
+        # where calls are planned: the interpreter's launches on the CPU are not (benchmarks/host_path_cpu.py plans
+        # CPU calls to stand-in kernels)
+        self.device_types = device_types
 
     def __call__(self, run: Callable[[], tuple], static: tuple, tensors: tuple) -> tuple:
         """`run()`'s result for this call: the normal path (recorded) the first time, the plan's replay after."""
-        if not (tensors[0].is_cuda and replayable(tensors)):  # (the interpreter's launches are not planned)
+        if not (self.enabled and tensors[0].device.type in self.device_types and replayable(tensors)):
             return run()
         device = torch.cuda.current_device()
         signature = (static, device, *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors])
