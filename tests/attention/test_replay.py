@@ -61,6 +61,29 @@ def test_a_plan_keeps_no_tensor_of_the_call_that_made_it():
     assert not plan.scratch
 
 
+def test_signatures_whose_calls_pass_a_view_of_an_input_as_their_own_tensor_run_the_launchers(monkeypatch):
+    """A tensor the call made that shares an input's memory (a view or in-place copy) is not something a plan can
+    allocate afresh: that signature is marked unplannable and runs its launchers every call; others replay."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("Stream", (), {"cuda_stream": 0}))
+    plans = replay.EagerPlans(lambda: None, device_types=("cpu",))
+    kernel, runs = StandInKernel(), []
+
+    def call(q, view):
+        def run():
+            runs.append(view)
+            out = torch.empty_like(q)
+            replay.note(kernel, (1,), (q, q[:, :1] if view else torch.empty(3), out), ())
+            return (out,)
+        return plans(run, ("static", view), (q,))
+
+    for view in (False, True):
+        for _ in range(3):
+            call(torch.randn(2, 4), view)
+    assert runs == [False, True, True, True] and list(plans.plans.values())[1] is None
+    assert len(kernel.calls) == 2  # the first signature's second and third calls, replayed
+
+
 def test_calls_with_aliased_inputs_copied_inputs_or_launch_hooks_are_not_planned():
     q, k = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
     assert replay.replayable((q, k))

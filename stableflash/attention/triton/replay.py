@@ -48,6 +48,11 @@ def note(kernel, grid: tuple, args: tuple, constexprs: tuple) -> None:
 
 
 _FROM_CALL, _NEW = 0, 1  # where a tensor of a replayed call comes from: the call's own tensors, or a fresh allocation
+_UNSEEN = object()
+
+
+class _SharesMemory(Exception):
+    """A tensor the call made itself shares memory with one it was given: not something a plan can allocate."""
 
 
 class Plan(NamedTuple):
@@ -58,25 +63,32 @@ class Plan(NamedTuple):
     scratch: bool  # some kernel makes TMA descriptors in global scratch: Triton's allocator must be set on the thread
 
     @classmethod
-    def build(cls, tensors: tuple, outputs: tuple, launches: list[Launch]) -> Plan:
+    def build(cls, tensors: tuple, outputs: tuple, launches: list[Launch]) -> Plan | None:
         """From one call: its tensors, the tensors it returned and its recorded launches. A tensor among neither the
-        call's nor its outputs is one the call allocated for itself (e.g. the backward's δ)."""
+        call's nor its outputs is one the call allocated for itself (e.g. the backward's δ). None if such a tensor
+        shares memory with the call's (a view or copy of an input, which a fresh allocation would not reproduce)."""
         where = {id(t): (_FROM_CALL, i) for i, t in enumerate(tensors)}
+        call_memory = {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()}
         allocations = []
 
         def source(t: torch.Tensor) -> tuple[int, int]:
             if id(t) not in where:
+                if t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() in call_memory:
+                    raise _SharesMemory
                 where[id(t)] = (_NEW, len(allocations))
                 allocations.append((tuple(t.shape), t.stride(), t.dtype))
             return where[id(t)]
 
-        named_outputs = tuple(source(t) for t in outputs)
-        planned = []
-        for launch in launches:
-            slots = tuple((pos, *source(a)) for pos, a in enumerate(launch.args) if isinstance(a, torch.Tensor))
-            # the template keeps no tensor of this call alive: each is put in by position at replay
-            template = tuple(None if isinstance(a, torch.Tensor) else a for a in launch.args)
-            planned.append((launch._replace(args=template), slots))
+        try:
+            named_outputs = tuple(source(t) for t in outputs)
+            planned = []
+            for launch in launches:
+                slots = tuple((pos, *source(a)) for pos, a in enumerate(launch.args) if isinstance(a, torch.Tensor))
+                # the template keeps no tensor of this call alive: each is put in by position at replay
+                template = tuple(None if isinstance(a, torch.Tensor) else a for a in launch.args)
+                planned.append((launch._replace(args=template), slots))
+        except _SharesMemory:
+            return None
         scratch = any(getattr(launch.kernel.metadata, "global_scratch_size", 0) > 0 for launch in launches)
         return cls(tuple(allocations), tuple(planned), named_outputs, scratch)
 
@@ -114,12 +126,13 @@ def replayable(tensors: tuple) -> bool:
 
 class EagerPlans:
     """Plans by call signature (the call's static arguments, and each tensor's shape, strides, dtype, device and
-    address modulo 16, which decide the kernels and their specialisation)."""
+    address modulo 16, which decide the kernels and their specialisation); None for a signature that cannot be
+    planned (`Plan.build`), which then runs the launchers every call."""
 
     MAX_PLANS = 1024  # a run with ever new shapes would otherwise keep one per shape
 
     def __init__(self, ensure_scratch: Callable[[], None], enabled: bool = True, device_types: tuple = ("cuda",)):
-        self.plans: dict[tuple, Plan] = {}
+        self.plans: dict[tuple, Plan | None] = {}
         self.ensure_scratch = ensure_scratch  # sets Triton's scratch allocator on this thread where none is set
         self.enabled = enabled  # False: every call runs the launchers (to compare, or to rule replay out)
         # where calls are planned: the interpreter's launches on the CPU are not (benchmarks/host_path_cpu.py plans
@@ -132,8 +145,10 @@ class EagerPlans:
             return run()
         device = torch.cuda.current_device()
         signature = (static, device, *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors])
-        plan = self.plans.get(signature)
-        if plan is not None:
+        plan = self.plans.get(signature, _UNSEEN)
+        if plan is None:
+            return run()
+        if plan is not _UNSEEN:
             if plan.scratch:
                 self.ensure_scratch()
             return plan.replay(tensors, torch.cuda.current_stream(device).cuda_stream)
