@@ -44,7 +44,8 @@ class StandInLaunchCache(dict):
 
 
 def stand_in_gpu() -> None:
-    """No CUDA here: the launch cache hits stand-ins, the stream and device queries answer 0, CPU calls are planned."""
+    """No CUDA here: the launch cache hits stand-ins and the stream and device queries answer 0 (the replayed path's
+    plans take CPU calls: `main`)."""
     ops._launches.cache = StandInLaunchCache()
 
     class Stream:
