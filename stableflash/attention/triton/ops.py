@@ -443,6 +443,8 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, key, stats, stats_eps, stat_targets):
+        if stats and stat_targets is None:  # zeroed here, not by `forward`: a plan allocates, it does not fill
+            stat_targets = fresh_stat_targets(q.shape[1], q.device)
         output = _eager_plans(lambda: forward(q, k, v, causal, scale, key, stats, stats_eps, stat_targets=stat_targets),
                               ("fwd", key, causal, scale, stats, stats_eps, HOPPER_FORWARD, AUTOTUNE_TMA),
                               (q, k, v, *(stat_targets or ())))

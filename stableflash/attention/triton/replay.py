@@ -6,7 +6,9 @@ shape, strides, dtype, device and alignment and whose other arguments are equal:
 ~60 arguments and the launch cache's key. The first such call runs the launchers as usual while this module records
 what they launch (`record`, fed by `ops._Launches`); later calls allocate the same outputs and launch the same
 compiled kernels with their own tensors in place of the first call's (`Plan.replay`). Same kernels, same
-arguments: the same bits.
+arguments: the same bits. What a plan cannot see, its callers keep out of the planned call: work other than
+launches (a plan allocates uninitialised memory, so the statistics' zeroed totals are made before it), and
+copies of inputs (`replayable`, `Plan.build`).
 """
 
 from __future__ import annotations
