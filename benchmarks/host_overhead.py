@@ -27,11 +27,10 @@ import attention  # benchmarks/attention.py: this script's directory is on sys.p
 import torch
 import triton
 from attention_tiles import IdentityFunction
+from feature_cost import IMPLS  # the same four calls as the cost study
 
 from stableflash.attention.triton import ops
 from stableflash.benchmarking import parse_shapes, run_meta
-
-IMPLS = ("stableflash", "stableflash-sfa", "stableflash-sfa-stats", "sdpa-flash")
 
 
 def implementations(num_heads: int) -> dict:

@@ -201,8 +201,9 @@ class _Launches:
             else:
                 compiled = plain[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                                       num_stages=config.num_stages)
-            self.cache[key] = (compiled, config.kwargs, trailing_constexprs(plain, len(args), meta, config))
-            replay.note(compiled, grid(config.kwargs), args, self.cache[key][2])
+            constexprs = trailing_constexprs(plain, len(args), meta, config)
+            self.cache[key] = (compiled, config.kwargs, constexprs)
+            replay.note(compiled, grid(config.kwargs), args, constexprs)
             return
         compiled, tile, constexprs = hit
         g = grid(tile)
