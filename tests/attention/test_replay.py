@@ -61,6 +61,21 @@ def test_a_plan_keeps_no_tensor_of_the_call_that_made_it():
     assert not plan.scratch
 
 
+def test_empty_placeholders_are_passed_as_the_plan_holds_them_not_allocated():
+    """Empty tensors a call makes (the statistics' targets without statistics) hold nothing a kernel could write:
+    every replay passes the first call's, and allocates only the tensors that have elements."""
+    q = torch.randn(3, 4)
+    out, placeholder = torch.empty(3, 4), torch.empty(0, dtype=torch.int64)
+    kernel = StandInKernel()
+    plan = replay.Plan.build((q,), (out, placeholder), [replay.Launch(kernel, (1, 1), (q, out, placeholder), ())])
+    assert len(plan.allocations) == 1 and plan.placeholders == (placeholder,)
+    new_q = torch.randn(3, 4)
+    new_out, returned = plan.replay((new_q,), stream=0)
+    (_, args), = kernel.calls
+    assert returned is placeholder and args[2] is placeholder and args[0] is new_q and args[1] is new_out
+    assert new_out is not out and new_out.shape == (3, 4)
+
+
 def test_signatures_whose_calls_pass_a_view_of_an_input_as_their_own_tensor_run_the_launchers(monkeypatch):
     """A tensor the call made that shares an input's memory (a view or in-place copy) is not something a plan can
     allocate afresh: that signature is marked unplannable and runs its launchers every call; others replay."""
@@ -86,17 +101,17 @@ def test_signatures_whose_calls_pass_a_view_of_an_input_as_their_own_tensor_run_
 
 def test_calls_with_aliased_inputs_copied_inputs_or_launch_hooks_are_not_planned():
     q, k = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
-    assert replay.replayable((q, k))
-    assert not replay.replayable((q, q))  # a plan names tensors by position
-    assert not replay.replayable((q, k.transpose(2, 3)))  # the launchers would copy it: not an allocation to replay
+    assert replay.describe((q, k)) is not None
+    assert replay.describe((q, q)) is None  # a plan names tensors by position
+    assert replay.describe((q, k.transpose(2, 3))) is None  # the launchers would copy it: not an allocation to replay
     hook = triton.knobs.runtime.launch_enter_hook
     assert replay.launch_hooks() == (None, None)
     hook.add(print)
     try:
-        assert replay.launch_hooks()[0] is hook and not replay.replayable((q, k))
+        assert replay.launch_hooks()[0] is hook and replay.describe((q, k)) is None
     finally:
         hook.remove(print)
-    assert replay.replayable((q, k))
+    assert replay.describe((q, k)) is not None
 
 
 def test_launches_are_recorded_only_inside_record():

@@ -8,7 +8,7 @@ what they launch (`record`, fed by `ops._Launches`); later calls allocate the sa
 compiled kernels with their own tensors in place of the first call's (`Plan.replay`). Same kernels, same
 arguments: the same bits. What a plan cannot see, its callers keep out of the planned call: work other than
 launches (a plan allocates uninitialised memory, so the statistics' zeroed totals are made before it), and
-copies of inputs (`replayable`, `Plan.build`).
+copies of inputs (`describe`, `Plan.build`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def note(kernel, grid: tuple, args: tuple, constexprs: tuple) -> None:
         launches.append(Launch(kernel, (grid[0], grid[1] if len(grid) > 1 else 1), args, constexprs))
 
 
-_FROM_CALL, _NEW = 0, 1  # where a tensor of a replayed call comes from: the call's own tensors, or a fresh allocation
+# where a tensor of a replayed call comes from: the call's own tensors, a fresh allocation, or the plan itself (an
+# empty placeholder, e.g. the statistics' targets without statistics: shared by every call, as nothing is written to it)
+_FROM_CALL, _NEW, _PLAN = 0, 1, 2
 _UNSEEN = object()
 
 
@@ -62,6 +64,7 @@ class Plan(NamedTuple):
     allocations: tuple[tuple[tuple, tuple, torch.dtype], ...]  # (shape, strides, dtype) of each tensor allocated
     launches: tuple[tuple[Launch, tuple[tuple[int, int, int], ...]], ...]  # launch, its (position, pool, index) slots
     outputs: tuple[tuple[int, int], ...]
+    placeholders: tuple[torch.Tensor, ...]  # empty tensors the call made, passed to every replay as they are
     scratch: bool  # some kernel makes TMA descriptors in global scratch: Triton's allocator must be set on the thread
 
     @classmethod
@@ -71,10 +74,14 @@ class Plan(NamedTuple):
         shares memory with the call's (a view or copy of an input, which a fresh allocation would not reproduce)."""
         where = {id(t): (_FROM_CALL, i) for i, t in enumerate(tensors)}
         call_memory = {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()}
-        allocations = []
+        allocations, placeholders = [], []
 
         def source(t: torch.Tensor) -> tuple[int, int]:
             if id(t) not in where:
+                if t.numel() == 0:
+                    where[id(t)] = (_PLAN, len(placeholders))
+                    placeholders.append(t)
+                    return where[id(t)]
                 if t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() in call_memory:
                     raise _SharesMemory
                 where[id(t)] = (_NEW, len(allocations))
@@ -92,12 +99,12 @@ class Plan(NamedTuple):
         except _SharesMemory:
             return None
         scratch = any(getattr(launch.kernel.metadata, "global_scratch_size", 0) > 0 for launch in launches)
-        return cls(tuple(allocations), tuple(planned), named_outputs, scratch)
+        return cls(tuple(allocations), tuple(planned), named_outputs, tuple(placeholders), scratch)
 
     def replay(self, tensors: tuple, stream: int) -> tuple:
         device = tensors[0].device
         pools = (tensors, [torch.empty_strided(shape, strides, dtype=dtype, device=device)
-                           for shape, strides, dtype in self.allocations])
+                           for shape, strides, dtype in self.allocations], self.placeholders)
         for launch, slots in self.launches:
             args = list(launch.args)
             for pos, pool, index in slots:
@@ -118,18 +125,22 @@ def launch_hooks() -> tuple:
     return hooks
 
 
-def replayable(tensors: tuple) -> bool:
-    """Whether a call with these tensors can be planned: distinct objects (a plan names tensors by position, so
-    q is k must not be taken for two tensors), each with unit last stride (else the launchers copy it first, a copy
-    a plan would take for an allocation), and no Triton launch hooks to call (a plan launches without them)."""
-    return (launch_hooks() == (None, None) and len({id(t) for t in tensors}) == len(tensors)
-            and all(t.stride(-1) == 1 for t in tensors))
+def describe(tensors: tuple) -> tuple | None:
+    """The tensors' part of a call's signature (each one's shape, strides, dtype, device and address modulo 16,
+    which decide the kernels and their specialisation), or None where the call cannot be planned: unless the tensors
+    are distinct objects (a plan names tensors by position, so q is k must not be taken for two tensors), each with
+    unit last stride (else the launchers copy it first, a copy a plan would take for an allocation), and no Triton
+    launch hooks are registered (a plan launches without them). One pass: it runs before every eager call."""
+    described = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
+    if (any(d[1][-1] != 1 for d in described) or len({id(t) for t in tensors}) != len(tensors)
+            or launch_hooks() != (None, None)):
+        return None
+    return described
 
 
 class EagerPlans:
-    """Plans by call signature (the call's static arguments, and each tensor's shape, strides, dtype, device and
-    address modulo 16, which decide the kernels and their specialisation); None for a signature that cannot be
-    planned (`Plan.build`), which then runs the launchers every call."""
+    """Plans by call signature (the call's static arguments, the current device and `describe`'s tensors); None for
+    a signature that cannot be planned (`Plan.build`), which then runs the launchers every call."""
 
     MAX_PLANS = 1024  # a run with ever new shapes would otherwise keep one per shape
 
@@ -143,10 +154,11 @@ class EagerPlans:
 
     def __call__(self, run: Callable[[], tuple], static: tuple, tensors: tuple) -> tuple:
         """`run()`'s result for this call: the normal path (recorded) the first time, the plan's replay after."""
-        if not (self.enabled and tensors[0].device.type in self.device_types and replayable(tensors)):
+        described = describe(tensors) if self.enabled and tensors[0].device.type in self.device_types else None
+        if described is None:
             return run()
         device = torch.cuda.current_device()
-        signature = (static, device, *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors])
+        signature = (static, device, described)
         plan = self.plans.get(signature, _UNSEEN)
         if plan is None:
             return run()
