@@ -109,3 +109,18 @@ def test_stats_accumulate_over_calls_on_head_slices_and_index_heads():
     assert stats.pbar_ones.tolist() == [8, 3, 3]
     assert stats.max_score.tolist() == [7.0, -1.0, 2.0]
     assert stats.rows.dtype == stats.pbar_ones.dtype == torch.int64
+
+
+def test_kernel_targets_are_the_totals_for_every_head_views_for_a_run_none_for_an_index():
+    """What a kernel adds to in place: the totals themselves for every head, views of a run of heads (head h's
+    counts at offset 3h), and nothing for an index tensor (whose counts are added after the call)."""
+    stats = AttentionStats(4)
+    counts, smax = stats.kernel_targets(slice(None), torch.device("cpu"))
+    assert counts is stats.counts and smax is stats.max_score
+    counts, smax = stats.kernel_targets(slice(1, 3), torch.device("cpu"))
+    counts += torch.tensor([[1, 2, 3], [4, 5, 6]])
+    smax.clamp_min_(5.0)
+    assert stats.counts.tolist() == [[0, 0, 0], [1, 2, 3], [4, 5, 6], [0, 0, 0]]
+    assert stats.max_score.tolist() == [-torch.inf, 5.0, 5.0, -torch.inf]
+    assert stats.kernel_targets(torch.tensor([0, 2]), torch.device("cpu")) is None
+    assert stats.kernel_targets(slice(0, 4, 2), torch.device("cpu")) is None

@@ -127,10 +127,11 @@ def launch_hooks() -> tuple:
 
 def describe(tensors: tuple) -> tuple | None:
     """The tensors' part of a call's signature (each one's shape, strides, dtype, device and address modulo 16,
-    which decide the kernels and their specialisation), or None where the call cannot be planned: unless the tensors
-    are distinct objects (a plan names tensors by position, so q is k must not be taken for two tensors), each with
-    unit last stride (else the launchers copy it first, a copy a plan would take for an allocation), and no Triton
-    launch hooks are registered (a plan launches without them). One pass: it runs before every eager call."""
+    which decide the kernels and their specialisation), or None where the call cannot be planned. It can be only
+    where the tensors are distinct objects (a plan names tensors by position, so q is k must not be taken for two
+    tensors), each has unit last stride (else the launchers copy it first, a copy a plan would take for an
+    allocation), and no Triton launch hooks are registered (a plan launches without them). One pass: it runs before
+    every eager call."""
     described = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
     if (any(d[1][-1] != 1 for d in described) or len({id(t) for t in tensors}) != len(tensors)
             or launch_hooks() != (None, None)):
