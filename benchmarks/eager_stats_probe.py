@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import attention  # benchmarks/attention.py: this script's directory is on sys.path
 import torch
 import triton
+from host_overhead import host_us
 from torch.profiler import ProfilerActivity, profile
 
 from stableflash.attention.triton import ops
@@ -42,18 +42,12 @@ def timings(fn) -> dict:
 
     fwdbwd()
     eager_ms = triton.testing.do_bench(fwdbwd, warmup=25, rep=200, return_mode="median")
-    hosts = []
-    for _ in range(100):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fwdbwd()
-        hosts.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
+    host = host_us(fwdbwd, 100)
     start = time.perf_counter()
     for _ in range(200):
         fwdbwd()
     torch.cuda.synchronize()
-    return {"eager_us": eager_ms * 1e3, "host_us": statistics.median(hosts) * 1e6,
+    return {"eager_us": eager_ms * 1e3, "host_us": host,
             "back_to_back_us": (time.perf_counter() - start) / 200 * 1e6}
 
 
