@@ -9,6 +9,7 @@ the GPU was busy), the attention kernels' share, and the top kernels.
 
     python benchmarks/train_throughput.py --out results/train-smoke-h200 --steps 200
     python benchmarks/train_throughput.py --out OUT --compile --profile --steps 10 --settings sdpa,triton-fa2
+    python benchmarks/train_throughput.py --summary results/train-smoke-h200/train-throughput-compiled-756335f.json
 
 A triton setting with the suffix `-opaque` (e.g. `triton-fa2-opaque`) runs the kernels as opaque custom ops under
 torch.compile instead of letting inductor launch them.
@@ -52,7 +53,8 @@ def _apply_setting(name: str) -> list[str]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="folder for the runs and the JSON (required unless --summary)")
+    parser.add_argument("--summary", type=Path, help="reprint the table of a written JSON, without a GPU")
     parser.add_argument("--settings", default="sdpa,reference-paper,reference-fa2")
     parser.add_argument("--steps", type=int, default=200, help="steps per setting (reference settings: a quarter)")
     parser.add_argument("--warmup", type=int, default=5)
@@ -60,6 +62,11 @@ def main():
     parser.add_argument("--profile", action="store_true", help="profile --steps steps after --warmup (no training run)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
+    if args.summary:
+        doc = json.loads(args.summary.read_text())
+        return print_table(doc | {"rows": add_ratios(doc["rows"])})
+    if args.out is None:
+        parser.error("--out: a folder for the runs and the JSON is required (or --summary JSON to reprint one)")
     data_dir = args.out / "data"
     ensure_embedded(data_dir)
     shape = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024",
@@ -81,21 +88,49 @@ def main():
         rows.append({"setting": name, "steps": steps, "tokens_per_s": rate, "first_loss": metrics[0]["loss"],
                      "last_loss": metrics[-1]["loss"], "wall_s": time.time() - started})
         torch.cuda.empty_cache()
-    # interleaved rounds (a setting list that repeats its first setting): each row also against its own round's
-    # baseline, the latest run of the first setting, as the machine's speed drifts between rounds
+    add_ratios(rows)
+    doc = {"meta": _meta(args), "rows": rows, "rounds": round_summary(rows)}
+    name = "train-throughput-compiled.json" if args.compile else "train-throughput.json"
+    (args.out / name).write_text(json.dumps(doc, indent=2))
+    print_table(doc)
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's ratio to the first row (the baseline) and, for interleaved rounds (a setting list that repeats
+    its first setting), to its own round's baseline, the latest run of the first setting before it: the machine's
+    speed drifts between rounds. Fills JSON written before the per-round ratio too."""
     baseline = rows[0]["setting"]
     for row in rows:
         row["ratio_to_" + baseline] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         if row["setting"] == baseline:
             round_baseline = row["tokens_per_s"]
         row[f"ratio_to_round_{baseline}"] = row["tokens_per_s"] / round_baseline
-    meta = _meta(args)
-    name = "train-throughput-compiled.json" if args.compile else "train-throughput.json"
-    (args.out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return rows
+
+
+def round_summary(rows: list[dict]) -> dict:
+    """Per setting other than the baseline: how many rounds, and the median, least and largest ratio to the
+    same round's baseline (the figure to judge interleaved rounds by)."""
+    baseline = rows[0]["setting"]
+    ratios: dict[str, list[float]] = {}
+    for row in rows:
+        if row["setting"] != baseline:
+            ratios.setdefault(row["setting"], []).append(row[f"ratio_to_round_{baseline}"])
+    return {name: {"rounds": len(r), "median": statistics.median(r), "min": min(r), "max": max(r)}
+            for name, r in ratios.items()}
+
+
+def print_table(doc: dict):
+    rows = doc["rows"]
+    baseline = rows[0]["setting"]
     print(f"{'setting':<22}{'steps':>6}{'tokens/s':>12}{'ratio':>8}{'in round':>10}{'loss first->last':>20}")
     for row in rows:
         print(f"{row['setting']:<22}{row['steps']:>6}{row['tokens_per_s']:>12.0f}{row['ratio_to_' + baseline]:>8.3f}"
               f"{row[f'ratio_to_round_{baseline}']:>10.3f}{row['first_loss']:>10.3f} -> {row['last_loss']:.3f}")
+    print(f"\nagainst the same round's {baseline}:")
+    for name, s in (doc.get("rounds") or round_summary(rows)).items():
+        rounds = f"{s['rounds']} round" + "s" * (s["rounds"] != 1)
+        print(f"{name:<22}{rounds:>10}  median {s['median']:.3f}  least {s['min']:.3f}  largest {s['max']:.3f}")
 
 
 def _meta(args) -> dict:

@@ -54,6 +54,21 @@ def test_attention_benchmark_summary_reprints_the_ratio_table_without_a_gpu(tmp_
     assert out[out.index("graph") + 1:out.index("graph") + 6] == ["2.00x", "0.95x", "5.0%", "5.0%", "10.00x"]
 
 
+def test_train_throughput_summary_judges_each_row_by_its_own_rounds_baseline(tmp_path):
+    """Rounds interleaved on a drifting machine: each row against the latest baseline run before it, then the
+    median, least and largest of those ratios per setting (an older JSON without the ratios is filled in)."""
+    rates = [("sdpa", 100.0), ("ours", 99.0), ("sdpa", 80.0), ("ours", 84.0), ("sdpa", 90.0), ("ours", 81.0)]
+    rows = [{"setting": name, "steps": 10, "tokens_per_s": rate, "first_loss": 5.0, "last_loss": 4.0}
+            for name, rate in rates]
+    path = tmp_path / "throughput.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--summary", str(path)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    in_round = [line.split()[4] for line in out.splitlines() if line.startswith("ours ") and "->" in line]
+    assert in_round == ["0.990", "1.050", "0.900"]
+    assert "ours                  3 rounds  median 0.990  least 0.900  largest 1.050" in out
+
+
 def test_emulation_agreement_reports_bit_equal_fractions(tmp_path):
     """The emulation report runs on the CPU under Triton's interpreter and writes a fraction per output."""
     out = tmp_path / "agreement.json"
