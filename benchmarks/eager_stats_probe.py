@@ -62,9 +62,8 @@ def main():
     for _ in range(args.rounds):
         for name in NAMES:
             for replayed in (True, False):
-                ops._eager_plans.enabled = replayed
-                samples.setdefault(name + ("" if replayed else "-launchers"), []).append(timings(impls[name]))
-                ops._eager_plans.enabled = True
+                with ops._eager_plans.switched(replayed):
+                    samples.setdefault(name + ("" if replayed else "-launchers"), []).append(timings(impls[name]))
     for tag, rounds in samples.items():
         print(f"{tag:<34}" + "   ".join(f"eager {r['eager_us']:6.1f} host {r['host_us']:6.1f} "
                                          f"back-to-back {r['back_to_back_us']:6.1f}" for r in rounds) + "  (µs)")

@@ -111,9 +111,8 @@ def main():
                 for replayed in ((True, False) if name.startswith("stableflash") else (True,))]
         for name, fn, replayed in runs:
             name = name if replayed else f"{name}-launchers"
-            ops._eager_plans.enabled = replayed
-            row = measure(name, fn, shape, args.repeats)
-            ops._eager_plans.enabled = True
+            with ops._eager_plans.switched(replayed):
+                row = measure(name, fn, shape, args.repeats)
             rows.append(row)
             print(f"{str(shape):<20}{name:<34}fwd host {row['fwd_host_us']:7.1f} us   fwd+bwd host "
                   f"{row['fwdbwd_host_us']:7.1f} us   eager {row['fwdbwd_eager_us']:7.1f} us   graph "

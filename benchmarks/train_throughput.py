@@ -128,7 +128,7 @@ def print_table(doc: dict):
         print(f"{row['setting']:<22}{row['steps']:>6}{row['tokens_per_s']:>12.0f}{row['ratio_to_' + baseline]:>8.3f}"
               f"{row[f'ratio_to_round_{baseline}']:>10.3f}{row['first_loss']:>10.3f} -> {row['last_loss']:.3f}")
     print(f"\nagainst the same round's {baseline}:")
-    for name, s in (doc.get("rounds") or round_summary(rows)).items():
+    for name, s in round_summary(rows).items():
         rounds = f"{s['rounds']} round" + "s" * (s["rounds"] != 1)
         print(f"{name:<22}{rounds:>10}  median {s['median']:.3f}  least {s['min']:.3f}  largest {s['max']:.3f}")
 

@@ -114,6 +114,16 @@ def test_calls_with_aliased_inputs_copied_inputs_or_launch_hooks_are_not_planned
     assert replay.describe((q, k)) is not None
 
 
+def test_switched_restores_the_setting_it_found():
+    plans = replay.EagerPlans(lambda: None, enabled=False)  # as STABLEFLASH_REPLAY=0 sets it
+    with plans.switched(True):
+        assert plans.enabled
+    assert not plans.enabled
+    with pytest.raises(RuntimeError), plans.switched(True):
+        raise RuntimeError
+    assert not plans.enabled
+
+
 def test_launches_are_recorded_only_inside_record():
     replay.note("kernel", (3,), (1,), ())
     with replay.record() as launches:

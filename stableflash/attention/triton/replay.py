@@ -177,3 +177,13 @@ class EagerPlans:
 
     def clear(self) -> None:
         self.plans.clear()
+
+    @contextlib.contextmanager
+    def switched(self, enabled: bool):
+        """Inside the block calls are replayed (True) or run the launchers (False); the setting before it is restored
+        after (benchmarks compare the two paths in one process)."""
+        before, self.enabled = self.enabled, enabled
+        try:
+            yield
+        finally:
+            self.enabled = before
