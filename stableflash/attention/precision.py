@@ -8,10 +8,13 @@ Presets (see `PRESETS` and docs/precision.md):
 - `fp64`, `fp32`: everything in that format (the high-precision references);
 - `fa2`: production FlashAttention-2: fp32 statistics and accumulators, P̄ cast
   to the input dtype before P̄V, O rounded once at the end, fp32 log-sum-exp;
-- `bf16`: every tensor in bf16, each op rounding its own result, 512x512 tiles;
-- `paper`: the analysed implementation as it runs under CUDA autocast(bf16);
-  the site formats were traced on an H200 (docs/precision.md gives the table
-  and `scripts/trace_paper_dtypes.py` the command).
+- `bf16`: a synthetic worst case: every tensor in bf16, each op rounding its own
+  result, 512x512 tiles. No real implementation rounds the saved log-sum-exp to
+  bf16, as this one does;
+- `paper`: the analysed implementation as it trained, under torch.compile and
+  CUDA autocast(bf16), traced against the official code run as an oracle
+  (docs/precision.md gives the table, `research/official_trace.py` the command);
+- `paper-eager`: the same code's forward run eagerly (each op rounding its result).
 
 The isolation knobs of the seed's section 3.4.2 are methods returning a new
 policy: `tiling_off()`, `with_delta(...)`, `with_pv_fp32()`, `with_o_fp32()`,
@@ -43,8 +46,10 @@ SITES = {
     "pv": "P̄V, the tile's matmul result",
     "rescale": "c = exp(m_old - m_new)",
     "row_sum": "running row sum l = c*l + tile sum",
+    "acc_scaled": "O*c, the accumulator rescaled before P̄V is added (an in-place multiply rounds it)",
     "acc": "running output accumulator O = O*c + P̄V",
     "out": "final O = O / l (what the backward's δ reads)",
+    "row_sum_saved": "l as the log-sum-exp reads it (the official code keeps l in a bf16 buffer)",
     "lse": "saved log-sum-exp, log(l) + m",
     "p": "backward probabilities P = exp(S - lse)",
     "p_operand": "P as the dV = P^T dO matmul reads it",
@@ -53,8 +58,11 @@ SITES = {
     "delta": "δ = rowsum(dO * O) (or the formula `delta_formula` names)",
     "ds": "dS = P * (dP - δ)",
     "ds_operand": "dS as the dQ and dK matmuls read it",
+    "dv_part": "one query tile's dV = P^T dO, as its matmul returns it",
     "dv": "dV accumulator",
+    "dk_part": "one query tile's dK = dS^T Q, as its matmul returns it",
     "dk": "dK accumulator",
+    "dq_part": "one key tile's dQ = dS K, as its matmul returns it",
     "dq": "dQ accumulator",
 }
 FORWARD_SITES = tuple(SITES)[:tuple(SITES).index("lse") + 1]
@@ -89,8 +97,10 @@ class Precision:
     pv: str = "fp32"
     rescale: str = "fp32"
     row_sum: str = "fp32"
+    acc_scaled: str = "fp32"
     acc: str = "fp32"
     out: str = "fp32"
+    row_sum_saved: str = "fp32"
     lse: str = "fp32"
     p: str = "fp32"
     p_operand: str = "fp32"
@@ -99,8 +109,11 @@ class Precision:
     delta: str = "fp32"
     ds: str = "fp32"
     ds_operand: str = "fp32"
+    dv_part: str = "fp32"
     dv: str = "fp32"
+    dk_part: str = "fp32"
     dk: str = "fp32"
+    dq_part: str = "fp32"
     dq: str = "fp32"
     o_saved: str = "out"
     """Format of the O the backward reads for δ: `"out"` (the returned O) or a format."""
@@ -183,11 +196,12 @@ class Precision:
 
     def with_pv_fp32(self) -> Precision:
         """P̄V product and the accumulator it feeds kept in fp32; O rounded once at the end."""
-        return self.replace(name=f"{self.name}+pv32", pv="fp32", acc="fp32")
+        return self.replace(name=f"{self.name}+pv32", pv="fp32", acc_scaled="fp32", acc="fp32")
 
     def with_o_fp32(self) -> Precision:
         """O computed and saved in fp32 in the forward, so δ reads O_hp."""
-        return self.replace(name=f"{self.name}+o32", pv="fp32", acc="fp32", row_sum="fp32", o_saved="fp32")
+        return self.replace(name=f"{self.name}+o32", pv="fp32", acc_scaled="fp32", acc="fp32", row_sum="fp32",
+                            o_saved="fp32")
 
     def with_pass_of(self, which: Literal["forward", "backward"], policy: str | Precision) -> Precision:
         """One pass's sites (FORWARD_SITES or BACKWARD_SITES) in the formats of `policy`: which pass's
@@ -224,21 +238,30 @@ _FA2 = dict(
     dp="fp32", delta_terms="fp32", delta="fp32", ds="fp32", ds_operand="input", dv="fp32", dk="fp32", dq="fp32",
 )
 
-# The `paper` preset: site formats traced from a re-creation of the analysed code
-# under CUDA torch.autocast(bfloat16) on an H200; see docs/precision.md for the
-# table and scripts/trace_paper_dtypes.py for the command that produced it.
+# The analysed code (the paper's repository, `attention.py`) as its `train.py` runs it: under torch.compile, the
+# forward under bf16 autocast and the backward traced under it too. Traced against the official code run as an
+# oracle on an H200 (docs/precision.md; research/official_trace.py). Inductor fuses each chain of elementwise ops
+# and reductions into one kernel that computes in fp32, so a value is rounded only where it is stored: the
+# matmul results (S, P̄V, dP and each tile's dQ, dK, dV) and their bf16 operands (P̄, P, dS), the saved l and O.
 _PAPER = dict(
-    qk="bf16", scores="bf16", row_max="bf16", pbar="fp32", pbar_operand="bf16", tile_sum="fp32", pv="bf16",
-    rescale="fp32", row_sum="bf16", acc="bf16", out="bf16", lse="fp32", p="fp32", p_operand="bf16",
-    dp="bf16", delta_terms="bf16", delta="bf16", ds="fp32", ds_operand="bf16", dv="bf16", dk="bf16", dq="bf16",
+    qk="bf16", scores="fp32", row_max="fp32", pbar="fp32", pbar_operand="bf16", tile_sum="fp32", pv="bf16",
+    rescale="fp32", row_sum="fp32", acc_scaled="fp32", acc="fp32", out="bf16", row_sum_saved="bf16", lse="fp32",
+    p="fp32", p_operand="bf16", dp="bf16", delta_terms="fp32", delta="fp32", ds="fp32", ds_operand="bf16",
+    dv_part="bf16", dv="fp32", dk_part="bf16", dk="fp32", dq_part="bf16", dq="fp32",
 )
+# The same code's forward run eagerly under autocast: every op rounds its result to its dtype (S, m and S - m
+# in bf16, l and O in their bf16 buffers, O*c rounded by the in-place multiply). Its backward cannot run
+# eagerly (fp32 P times bf16 dO raises), so the backward sites are the compiled ones.
+_PAPER_EAGER = dict(_PAPER, scores="bf16", row_max="bf16", row_sum="bf16", acc_scaled="bf16", acc="bf16")
+_TILES_512 = dict(block_m=512, block_n=512, tile_sum_clamp=1e-10)  # the official bucket sizes and row-sum clamp
 
 PRESETS: dict[str, Precision] = {
     "fp64": _uniform("fp64", "fp64"),
     "fp32": _uniform("fp32", "fp32"),
     "fa2": Precision(name="fa2", **_FA2),
-    "bf16": _uniform("bf16", "bf16", block_m=512, block_n=512, tile_sum_clamp=1e-10),
-    "paper": Precision(name="paper", block_m=512, block_n=512, tile_sum_clamp=1e-10, **_PAPER),
+    "bf16": _uniform("bf16", "bf16", **_TILES_512),
+    "paper": Precision(name="paper", **_TILES_512, **_PAPER),
+    "paper-eager": Precision(name="paper-eager", **_TILES_512, **_PAPER_EAGER),
 }
 
 

@@ -119,6 +119,13 @@ def _near_max_count(r: _Rounder, s: torch.Tensor, rm: torch.Tensor, eps: float) 
     return ((gap <= eps) & torch.isfinite(s)).sum(-1, keepdim=True)
 
 
+def _official_near_max_count(r: _Rounder, s: torch.Tensor, rm: torch.Tensor, eps: float) -> torch.Tensor:
+    """#{S >= rm - eps} as the official code counts: rm - eps rounds like an op on m, and a row with no visible
+    key (rm = -inf here, the mask value there) counts every entry of the tile."""
+    threshold = r.ew(lambda a: a - eps, rm)
+    return (r.up(s) >= r.up(threshold)).sum(-1, keepdim=True)
+
+
 @_policy_rounds_alone
 def forward(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize=None,
             stats: AttentionStats | None = None, heads=slice(None)):
@@ -138,13 +145,14 @@ def forward(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize
         ones = torch.zeros(H, dtype=torch.int64, device=device)
         max_score = torch.full((H,), -math.inf, device=device)
 
+    official = isinstance(stabilize, SFA) and stabilize.official_rule
     for i0, bm in _tiles(T, policy.block_m):
         qi = q[:, :, i0:i0 + bm]
         m = torch.full((B, H, bm, 1), -math.inf, dtype=r.dtype("row_max"), device=device)
         l = torch.zeros(B, H, bm, 1, dtype=r.dtype("row_sum"), device=device)
         acc = torch.zeros(B, H, bm, D, dtype=r.dtype("acc"), device=device)
         for j0, bn in _tiles(T, policy.block_n):
-            if causal and j0 > i0 + bm - 1:
+            if causal and j0 > i0 + bm - 1 and not official:  # the official SFA visits masked tiles too
                 break
             kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
             s = _scores(r, qi, kj, scale, causal, i0, j0)
@@ -155,7 +163,8 @@ def forward(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize
                 finite = torch.where(torch.isfinite(s), s, -math.inf)
                 max_score = torch.maximum(max_score, finite.float().amax(dim=(0, 2, 3)))
             if isinstance(stabilize, SFA):
-                rs = _near_max_count(r, s, tile_max, stabilize.eps)
+                count = _official_near_max_count if official else _near_max_count
+                rs = count(r, s, tile_max, stabilize.eps)
                 tile_max = r.site("row_max", stabilize.row_shift_max(r.up(tile_max), rs, row_max_fmt, pbar_fmt))
             m_new = r.site("row_max", r.ew(torch.maximum, tile_max, m))
             # a row with no visible key so far keeps m = -inf; shift it by 0 so exp gives 0, not NaN
@@ -174,11 +183,13 @@ def forward(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize
             # -- rescale the running sum and accumulator --
             rescale = r.site("rescale", torch.exp(r.up(r.ew(torch.sub, m, m_shift))))
             l = r.site("row_sum", r.ew(torch.add, r.ew(torch.mul, rescale, l), tile_sum))
-            acc = r.site("acc", r.ew(torch.add, r.ew(torch.mul, acc, rescale), pv))
+            acc_scaled = r.site("acc_scaled", r.ew(torch.mul, acc, rescale))
+            acc = r.site("acc", r.ew(torch.add, acc_scaled, pv))
             m = m_new
         # -- normalise; rows that saw no finite score (m = -inf) get O = 0 and lse = -inf.
         # (l = 0 with a finite m is P̄ underflow, e.g. the unbounded SFA rule: 0/0 = NaN, kept visible.)
         empty = torch.isneginf(m)
+        l = r.site("row_sum_saved", l)  # the buffer that the division and the log-sum-exp read
         o_full = r.ew(torch.div, acc, torch.where(empty, torch.ones_like(l), l))
         o_full = o_full.masked_fill(empty, 0.0)
         out[:, :, i0:i0 + bm] = r.site("out", o_full)
@@ -205,7 +216,8 @@ def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, causal):
     policy = r.policy
     T = q.shape[-2]
     if policy.delta_formula == "do_o":
-        terms = r.site("delta_terms", r.ew(torch.mul, dout, o_saved))
+        # the products round at their own site only: a fused kernel (FA2, inductor) keeps dO*O in fp32
+        terms = r.site("delta_terms", r.up(dout) * r.up(o_saved))
         return r.site("delta", r.up(terms).sum(-1, keepdim=True))
     # the other two formulas need P row by row: one pass over the key tiles
     delta = torch.zeros(*q.shape[:-1], 1, dtype=r.dtype("delta"), device=q.device)
@@ -249,13 +261,13 @@ def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool, policy:
             s = _scores(r, qi, kj, scale, causal, i0, j0)
             p = _probabilities(r, s, lse[:, :, i0:i0 + bm])
             p_op = r.site("p_operand", p)
-            dv_j = r.site("dv", r.ew(torch.add, dv_j, r.mm(p_op.transpose(-1, -2), doi, "dv")))
+            dv_j = r.site("dv", r.ew(torch.add, dv_j, r.mm(p_op.transpose(-1, -2), doi, "dv_part")))
             dp = r.mm(doi, vj.transpose(-1, -2), "dp")
             ds = r.site("ds", r.ew(torch.mul, p, r.ew(torch.sub, dp, delta[:, :, i0:i0 + bm])))
             ds_op = r.site("ds_operand", ds)
-            dq_part = r.ew(lambda a: a * scale, r.mm(ds_op, kj, "dq"))
+            dq_part = r.ew(lambda a: a * scale, r.mm(ds_op, kj, "dq_part"))
             dq[:, :, i0:i0 + bm] = r.site("dq", r.ew(torch.add, dq[:, :, i0:i0 + bm], dq_part))
-            dk_part = r.ew(lambda a: a * scale, r.mm(ds_op.transpose(-1, -2), qi, "dk"))
+            dk_part = r.ew(lambda a: a * scale, r.mm(ds_op.transpose(-1, -2), qi, "dk_part"))
             dk_j = r.site("dk", r.ew(torch.add, dk_j, dk_part))
         dk[:, :, j0:j0 + bn] = dk_j
         dv[:, :, j0:j0 + bn] = dv_j

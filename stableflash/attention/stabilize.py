@@ -57,12 +57,19 @@ class SFA(_Registered):
     (2^-fraction_bits) and max_shift keeps exp(-shift) a normal number; the shift
     is applied after rounding m to its storage format (rounding up), and a row
     whose rm is so large that no such m is representable stays unshifted.
+
+    `official_rule=True` (`SFA.official()`) is the rule as the paper's own code runs it
+    (`STABLE=1`): unbounded, the near-maximum test written `S >= rm - eps` (with
+    rm - eps rounded like any elementwise op on m), and applied to tiles with no
+    visible key too, whose repeated "maximum" is the mask value, so that m
+    becomes max(m, 0) there. Reference backend only.
     """
 
     beta: float = 2.0
     eps: float = 1e-3
     bounded: bool = True
     max_shift: float = 16.0
+    official_rule: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.beta, (int, float)) and self.beta > 1):
@@ -71,7 +78,15 @@ class SFA(_Registered):
             raise ValueError(f"SFA.eps: expected a number >= 0, got {self.eps!r}")
         if not self.max_shift > 0:
             raise ValueError(f"SFA.max_shift: expected a number > 0, got {self.max_shift!r}")
+        if self.official_rule and self.bounded:
+            raise ValueError("SFA.official_rule: the official rule is unbounded; use SFA.official() or bounded=False")
         _register(self)
+
+    @classmethod
+    def official(cls, beta: float = 2.0, eps: float = 1e-3) -> SFA:
+        """The paper's code's rule exactly: per 512-key tile in its recipe, absolute eps, beta = 2, unbounded,
+        fully masked tiles included."""
+        return cls(beta=beta, eps=eps, bounded=False, official_rule=True)
 
     def shift_bounds(self, pbar_format: Format) -> tuple[float, float]:
         """(min, max) shift m - rm that keeps max P̄ in (0, 1) in `pbar_format`."""

@@ -54,7 +54,8 @@ class LayerAttention:
             policy = policy.with_heads(set(cfg.heads), cfg.head_precision)
         stabilize = {
             "none": None,
-            "sfa": SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
+            "sfa": SFA.official(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
+            "sfa-bounded": SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
             "sfa-unbounded": SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps, bounded=False),
             "clamp": ClampPbar(eps=cfg.sfa_eps),
         }[cfg.stabilize]
@@ -133,9 +134,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.approximate = "none" if cfg.gelu == "exact" else "tanh"
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
 
 
 class Block(nn.Module):

@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+STABILIZERS = ("none", "sfa", "sfa-bounded", "sfa-unbounded", "clamp")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class ModelConfig:
     vocab_size: int = 256
     """Token vocabulary (256 for the byte-level embedded corpus, 50304 for GPT-2 BPE)."""
     bias: bool = True
-    """Biases in Linear and LayerNorm layers, as GPT-2."""
+    """Biases in Linear and LayerNorm layers, as GPT-2 (the analysed code trains without: false)."""
+    gelu: str = "tanh"
+    """tanh (GPT-2's approximation) | exact (nn.GELU's default, as the analysed code uses)."""
     qk_norm: bool = False
     """LayerNorm on each head's q and k before the scores."""
     qk_clip: float = 0.0
@@ -52,6 +55,8 @@ class ModelConfig:
             raise ValueError(f"model.n_embd: {self.n_embd} is not divisible by model.n_head = {self.n_head}")
         if self.qk_clip < 0:
             raise ValueError(f"model.qk_clip: expected >= 0, got {self.qk_clip}")
+        if self.gelu not in ("tanh", "exact"):
+            raise ValueError(f"model.gelu: expected 'tanh' or 'exact', got {self.gelu!r}")
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ class AttentionConfig:
     precision: str = "fa2"
     """A preset name (fa2, bf16, paper, fp32, fp64)."""
     stabilize: str = "none"
-    """none | sfa | sfa-unbounded | clamp."""
+    """none | sfa (the paper's code's rule, `SFA.official()`; reference backend) | sfa-bounded (ours, in the kernels)
+    | sfa-unbounded (the rule as written, per tile, masked tiles skipped) | clamp."""
     sfa_beta: float = 2.0
     sfa_eps: float = 1e-3
     tiling: bool = True
@@ -120,8 +126,8 @@ class AttentionConfig:
                                      f"got {fmt!r}") from None
         if self.head_precision not in PRESETS:
             raise ValueError(f"attention.head_precision: expected one of {sorted(PRESETS)}, got {self.head_precision!r}")
-        if self.stabilize not in ("none", "sfa", "sfa-unbounded", "clamp"):
-            raise ValueError(f"attention.stabilize: expected none|sfa|sfa-unbounded|clamp, got {self.stabilize!r}")
+        if self.stabilize not in STABILIZERS:
+            raise ValueError(f"attention.stabilize: expected one of {'|'.join(STABILIZERS)}, got {self.stabilize!r}")
         if self.delta not in DELTA_FORMULAS:
             raise ValueError(f"attention.delta: expected one of {DELTA_FORMULAS}, got {self.delta!r}")
         object.__setattr__(self, "heads", tuple(int(h) for h in self.heads))

@@ -304,7 +304,7 @@ class Trainer:
         base = dataclasses.replace(self.cfg.attention.for_layer(layer),
                                    backend="reference" if current.backend in ("sdpa", "math") else current.backend)
         if action in ("sfa", "rollback"):
-            new = LayerAttention.from_config(dataclasses.replace(base, stabilize="sfa"))
+            new = LayerAttention.from_config(dataclasses.replace(base, stabilize="sfa-bounded"))  # runs in the kernels
         else:
             # fp32 attention as such: the rounding knobs of the replaced policy mean nothing at fp32
             new = LayerAttention.from_config(AttentionConfig(backend=base.backend, precision="fp32", tiling=base.tiling,

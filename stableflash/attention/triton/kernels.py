@@ -298,7 +298,7 @@ def _attn_fwd(
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_ROW_MAX: tl.constexpr, R_SUB: tl.constexpr,
     R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
     R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
-    R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_DIV: tl.constexpr,
+    R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_L_SAVED: tl.constexpr, R_DIV: tl.constexpr,
     R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, HEADS_FIRST: tl.constexpr,
     TMA: tl.constexpr,
 ):
@@ -398,6 +398,7 @@ def _attn_fwd(
             acc = _round(_round(_round(_mul_rn(acc, rescale[:, None]), R_A1) + pv, R_A2), R_ACC)
             m = m_new
         empty = m == float("-inf")
+        l = _round(l, R_L_SAVED)  # the buffer that the division and the log-sum-exp read
         o = _round(acc / tl.where(empty, 1.0, l)[:, None], R_DIV)
         log_l = _round(_log(l), R_LSE)
         lse = tl.where(empty, float("-inf"), _round(_round(log_l + m, R_LSE_ADD), R_LSE))
@@ -429,13 +430,13 @@ def _attn_fwd(
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _row_delta(o, do, EMU: tl.constexpr, R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr):
+def _row_delta(o, do, EMU: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr):
     """δ = rowsum(dO * O) of a tile of rows, rounded as the policy says (each product on its own under EMU)."""
     if EMU:
         terms = _mul_rn(do.to(tl.float32), o.to(tl.float32))
     else:
         terms = do.to(tl.float32) * o.to(tl.float32)
-    return _round(tl.sum(_round(_round(terms, R_MUL), R_TERMS), 1), R_DELTA)
+    return _round(tl.sum(_round(terms, R_TERMS), 1), R_DELTA)
 
 
 @triton.jit
@@ -579,7 +580,7 @@ def _attn_bwd_dkdv(
     EMU: tl.constexpr, OPS_FP32: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_P_OP: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
-    R_DV: tl.constexpr, R_DK: tl.constexpr, TMA: tl.constexpr,
+    R_DV_PART: tl.constexpr, R_DV: tl.constexpr, R_DK_PART: tl.constexpr, R_DK: tl.constexpr, TMA: tl.constexpr,
 ):
     """dK and dV (both with strides `stride_g*`) for one key tile, looping over the query tiles that see it.
     Under TMA (native path; docs/kernel-notes.md): Q and dO tiles by tensor descriptors."""
@@ -627,8 +628,8 @@ def _attn_bwd_dkdv(
                 dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                     stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, True, OPS_FP32,
                                     R_QK, R_SCORES, R_P_SUB, R_P, R_P_OP, R_DP, R_DS1, R_DS2, R_DS, R_DS_OP)
-            dv_run = _round(dv_run + _round(dv, R_DV), R_DV)
-            dk_run = _round(dk_run + _round(_mul_rn(_round(dk, R_DK), scale), R_DK), R_DK)
+            dv_run = _round(dv_run + _round(dv, R_DV_PART), R_DV)
+            dk_run = _round(dk_run + _round(_mul_rn(_round(dk, R_DK_PART), scale), R_DK_PART), R_DK)
         dk = dk_run
         dv = dv_run
     out = _head_offset(bh, H, stride_gb, stride_gh) + offs_n[:, None] * stride_gt + offs_d[None, :]
@@ -664,10 +665,10 @@ def _attn_bwd_dq(
     H, T, qk_scale, scale, LT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EMU: tl.constexpr, OPS_FP32: tl.constexpr, DELTA_HERE: tl.constexpr,
-    R_MUL: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
+    R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
-    R_DQ: tl.constexpr, TMA: tl.constexpr,
+    R_DQ_PART: tl.constexpr, R_DQ: tl.constexpr, TMA: tl.constexpr,
 ):
     """dQ (strides `stride_g*`) for one query tile, looping over the key tiles it sees. Under TMA (native
     path; docs/kernel-notes.md): K and V tiles by tensor descriptors.
@@ -685,7 +686,7 @@ def _attn_bwd_dq(
     do = _load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
     if DELTA_HERE:  # before Q is loaded: fewer tiles live at once
         o = _load_rows(O + _head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
-        delta = _row_delta(o, do, EMU, R_MUL, R_TERMS, R_DELTA)
+        delta = _row_delta(o, do, EMU, R_TERMS, R_DELTA)
         tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
     else:
         delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
@@ -713,7 +714,7 @@ def _attn_bwd_dq(
                 dq = _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
                               dq, BLOCK_N, HEAD_DIM, CAUSAL, True, True, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P,
                               R_DP, R_DS1, R_DS2, R_DS, R_DS_OP)
-            dq_run = _round(dq_run + _round(_mul_rn(_round(dq, R_DQ), scale), R_DQ), R_DQ)
+            dq_run = _round(dq_run + _round(_mul_rn(_round(dq, R_DQ_PART), scale), R_DQ_PART), R_DQ)
         dq = dq_run
     out = _head_offset(bh, H, stride_gb, stride_gh) + offs_m[:, None] * stride_gt + offs_d[None, :]
     tl.store(DQ + out, _cast(dq, DQ.dtype.element_ty), mask=rows)

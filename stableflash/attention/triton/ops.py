@@ -251,7 +251,8 @@ def _last_dim_contiguous(t):
 
 
 _FWD_CODES = ("R_QK", "R_SCORES", "R_ROW_MAX", "R_SUB", "R_PBAR", "R_PBAR_OP", "R_TILE_SUM", "R_PV", "R_RESCALE",
-              "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC", "R_DIV", "R_LSE", "R_LSE_ADD")
+              "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC", "R_L_SAVED", "R_DIV", "R_LSE",
+              "R_LSE_ADD")
 _BWD_CODES = ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP", "R_DS1", "R_DS2", "R_DS", "R_DS_OP")
 
 
@@ -275,11 +276,11 @@ def _meta(key: str):
     if spec.delta_dpp:
         delta = dict(EMU=spec.emu, OPS_FP32=spec.ops_fp32,
                      **{n: codes[n] for n in ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP", "R_DPP", "R_TERMS", "R_DELTA")})
-        dq = dict(DELTA_HERE=False, R_MUL=0, R_TERMS=0, R_DELTA=0, R_DQ=codes["R_DQ"])
+        dq = dict(DELTA_HERE=False, R_TERMS=0, R_DELTA=0, R_DQ_PART=codes["R_DQ_PART"], R_DQ=codes["R_DQ"])
     else:
-        dq = dict(DELTA_HERE=True, R_MUL=codes["R_MUL"], R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"],
-                  R_DQ=codes["R_DQ"])
-    dkdv = dict(R_P_OP=codes["R_P_OP"], R_DV=codes["R_DV"], R_DK=codes["R_DK"])
+        dq = dict(DELTA_HERE=True, R_TERMS=codes["R_TERMS"], R_DELTA=codes["R_DELTA"],
+                  R_DQ_PART=codes["R_DQ_PART"], R_DQ=codes["R_DQ"])
+    dkdv = dict(R_P_OP=codes["R_P_OP"], **{n: codes[n] for n in ("R_DV_PART", "R_DV", "R_DK_PART", "R_DK")})
     return spec, fwd, delta, bwd, dkdv, dq
 
 

@@ -32,6 +32,12 @@ def _promote(a: int, b: int) -> int:
     return a if a == b else 0
 
 
+def _rescaled_acc_code(code: dict) -> int:
+    """O*c rounds to the operands' promoted dtype, then to the `acc_scaled` site (one of the two is fp32)."""
+    promoted = _promote(code["acc"], code["rescale"])
+    return code["acc_scaled"] or promoted
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     emu: bool
@@ -85,6 +91,11 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
             return f"{name}={block} must be a multiple of {PHYSICAL_TILE} (or None)"
     if isinstance(stabilize, SFA) and policy.dtype("row_max", dtype) == torch.float16:
         return "SFA with an fp16 row_max is reference-only"
+    if isinstance(stabilize, SFA) and stabilize.official_rule:
+        return "the official SFA rule (SFA.official()) is reference-only"
+    promoted = _promote(_CODES[policy.dtype("acc", dtype)], _CODES[policy.dtype("rescale", dtype)])
+    if promoted and _CODES[policy.dtype("acc_scaled", dtype)] not in (0, promoted):
+        return "acc_scaled in a half format other than acc's and rescale's"
     return None
 
 
@@ -98,28 +109,25 @@ def _is_native(policy: Precision, dtype: torch.dtype) -> bool:
 def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -> KernelSpec:
     code = {site: _CODES[policy.dtype(site, dtype)] for site in SITES}
     input_code = _CODES[dtype]
-    out_code = code["out"]
-    o_saved_code = out_code if policy.o_saved == "out" else 0
     codes = dict(
         R_QK=code["qk"], R_SCORES=code["scores"], R_ROW_MAX=code["row_max"],
         R_SUB=_promote(code["scores"], code["row_max"]), R_PBAR=code["pbar"], R_PBAR_OP=code["pbar_operand"],
         R_TILE_SUM=code["tile_sum"], R_PV=code["pv"], R_RESCALE=code["rescale"],
         R_L1=_promote(code["rescale"], code["row_sum"]), R_ROW_SUM=code["row_sum"],
-        R_A1=_promote(code["acc"], code["rescale"]), R_ACC=code["acc"],
-        R_DIV=_promote(code["acc"], code["row_sum"]), R_LSE=code["lse"],
+        R_A1=_rescaled_acc_code(code), R_ACC=code["acc"],
+        R_L_SAVED=code["row_sum_saved"], R_DIV=_promote(code["acc"], code["row_sum_saved"]), R_LSE=code["lse"],
         R_LSE_ADD=_promote(code["lse"], code["row_max"]),
-        R_MUL=_promote(out_code, o_saved_code), R_TERMS=code["delta_terms"], R_DELTA=code["delta"],
+        R_TERMS=code["delta_terms"], R_DELTA=code["delta"],
         R_P_SUB=_promote(code["scores"], code["lse"]), R_P=code["p"], R_P_OP=code["p_operand"], R_DP=code["dp"],
         R_DPP=_promote(code["dp"], code["p"]),
         R_DS1=_promote(code["dp"], code["delta"]), R_DS=code["ds"], R_DS_OP=code["ds_operand"],
-        R_DV=code["dv"], R_DK=code["dk"], R_DQ=code["dq"],
+        R_DV_PART=code["dv_part"], R_DV=code["dv"], R_DK_PART=code["dk_part"], R_DK=code["dk"],
+        R_DQ_PART=code["dq_part"], R_DQ=code["dq"],
     )
     codes["R_L2"] = _promote(codes["R_L1"], code["tile_sum"])
-    codes["R_A2"] = _promote(codes["R_A1"], code["pv"])
+    codes["R_A2"] = _promote(code["acc_scaled"], code["pv"])
     codes["R_DS2"] = _promote(code["p"], codes["R_DS1"])
     emu = not _is_native(policy, dtype)
-    if not emu:
-        codes["R_MUL"] = 0  # production FA2 forms dO*O in fp32
     ops_fp32 = any(code[s] != input_code for s in ("pbar_operand", "p_operand", "ds_operand", "out"))
     whole = math.ceil(seq_len / PHYSICAL_TILE) * PHYSICAL_TILE
     pbar_format = get_format(policy.dtype("pbar_operand", dtype))
