@@ -66,6 +66,8 @@ SITES = {
     "dq": "dQ accumulator",
 }
 FORWARD_SITES = tuple(SITES)[:tuple(SITES).index("lse") + 1]
+PV_PATH = ("pbar_operand", "pv", "acc_scaled", "acc")
+"""The sites of P̄V and the accumulator it feeds: where the seed places the biased rounding."""
 BACKWARD_SITES = tuple(SITES)[len(FORWARD_SITES):]
 
 
@@ -126,7 +128,9 @@ class Precision:
     delta_formula: DeltaFormula = "do_o"
     """`do_o`: rowsum(dO*O); `dp_p`: rowsum(dP*P); `do_o_recomputed`: O recomputed as PV in fp32."""
     rounding: str = "nearest"
-    """Rounding mode of every site: nearest (ties to even), toward_zero or stochastic."""
+    """Rounding mode: nearest (ties to even), toward_zero, up, down or stochastic (seeded by torch's generator)."""
+    rounding_sites: tuple[str, ...] = ()
+    """The sites `rounding` applies to; the others round to nearest. Empty: every site and elementwise op."""
     head_override: tuple[tuple[int, ...], Precision] | None = field(default=None, compare=True)
     """(heads, policy): these head indices are computed with the second policy."""
 
@@ -164,6 +168,9 @@ class Precision:
             raise ValueError(f"Precision.delta_formula: expected one of {DELTA_FORMULAS}, got {self.delta_formula!r}")
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(f"Precision.rounding: expected one of {ROUNDING_MODES}, got {self.rounding!r}")
+        if not isinstance(self.rounding_sites, tuple) or any(s not in SITES for s in self.rounding_sites):
+            raise ValueError(f"Precision.rounding_sites: expected a tuple of site names from {list(SITES)}, "
+                             f"got {self.rounding_sites!r}")
         if self.head_override is not None:
             heads, policy = self.head_override
             if not isinstance(policy, Precision) or any(not isinstance(h, int) or h < 0 for h in heads):
@@ -215,6 +222,13 @@ class Precision:
     def with_sites(self, **formats: str) -> Precision:
         """Sites set by hand, e.g. `with_sites(qk="fp32", scores="fp32")`, named after what they set."""
         return self.replace(name=self.name + "+" + ",".join(f"{k}={v}" for k, v in formats.items()), **formats)
+
+    def with_rounding(self, mode: str, sites=()) -> Precision:
+        """Round `sites` (all of them when empty) with `mode`, the others to nearest: e.g. stochastic rounding on
+        the P̄V path only, `with_rounding("stochastic", PV_PATH)`."""
+        sites = tuple(sites)
+        label = f"{mode}@{','.join(sites)}" if sites else mode
+        return self.replace(name=f"{self.name}+{label}", rounding=mode, rounding_sites=sites)
 
     def with_heads(self, heads, policy: str | Precision) -> Precision:
         """Compute the given head indices with `policy` (e.g. per-head fp32)."""

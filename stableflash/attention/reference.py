@@ -55,15 +55,20 @@ class _Rounder:
     def dtype(self, site: str) -> torch.dtype:
         return self.policy.dtype(site, self.input_dtype)
 
-    def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Round `x` (any dtype) to `dtype` under the policy's rounding mode; returns a `dtype` tensor."""
-        if self.policy.rounding == "nearest" or x.dtype == dtype:
+    def cast(self, x: torch.Tensor, dtype: torch.dtype, mode: str | None = None) -> torch.Tensor:
+        """Round `x` (any dtype) to `dtype` under `mode` (default: the policy's mode where it covers every site,
+        else nearest); returns a `dtype` tensor."""
+        if mode is None:
+            mode = "nearest" if self.policy.rounding_sites else self.policy.rounding
+        if mode == "nearest" or x.dtype == dtype:
             return x.to(dtype)
         wider = torch.float64 if dtype == torch.float64 else torch.float32
-        return round_to(x, get_format(dtype), self.policy.rounding, dtype=wider).to(dtype)
+        return round_to(x, get_format(dtype), mode, dtype=wider).to(dtype)
 
     def site(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return self.cast(x, self.dtype(name))
+        sites = self.policy.rounding_sites
+        mode = self.policy.rounding if not sites or name in sites else "nearest"
+        return self.cast(x, self.dtype(name), mode)
 
     def up(self, x: torch.Tensor) -> torch.Tensor:
         """Value of `x` in the compute dtype."""

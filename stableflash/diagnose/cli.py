@@ -107,7 +107,28 @@ def _report(args) -> int:
     return 0
 
 
+def _reproduce_micro(args) -> int:
+    from stableflash.diagnose.micro import ARMS, MicroSetup, format_table, reproduce_micro
+
+    if args.steps < 2:
+        raise ValueError(f"--steps: expected an integer >= 2, got {args.steps}")
+    arms = args.arms.split(",") if args.arms else list(ARMS)
+    table = reproduce_micro(args.out, MicroSetup(steps=args.steps, seed=args.seed), arms)
+    print(format_table(table))
+    print(f"wrote {args.out / 'micro.json'} and {args.out / 'micro.png'}")
+    return 0
+
+
 def add_commands(sub) -> None:
+    p = sub.add_parser("reproduce", help="the seed's causal chain, reproduced")
+    which = p.add_subparsers(dest="study", required=True)
+    q = which.add_parser("micro", help="one attention head on the CPU: W_Q trained under each arm's numerics")
+    q.add_argument("--out", type=Path, required=True, help="folder for micro.json and micro.png")
+    q.add_argument("--steps", type=int, default=3000, help="AdamW steps per arm (default 3000)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--arms", default="", help="comma-separated arm names (default: all; 'paper' is required)")
+    q.set_defaults(func=_reproduce_micro)
+
     p = sub.add_parser("diagnose", help="the seed's analyses: delta, decompose, bias, pv-trace, spectral")
     which = p.add_subparsers(dest="diagnostic", required=True)
 

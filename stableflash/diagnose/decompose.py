@@ -127,12 +127,14 @@ def decompose_head(capture, head: int, low: str = "paper", high: str = "fp64") -
 
 
 def alignment_across_steps(decompositions: list[WqErrorDecomposition]) -> list[float]:
-    """|u₁·u₁'|·|v₁·v₁'| between consecutive steps' top singular directions (1: the same rank-1 direction)."""
+    """(u₁·u₁')(v₁·v₁') between consecutive steps' top singular pairs, with its sign: +1 when the two steps'
+    errors are the same rank-1 matrix (they accumulate), -1 when opposite (they cancel). The product does not
+    depend on the SVD's sign choice, since flipping u and v together leaves u vᵀ unchanged."""
     out = []
     for a, b in zip(decompositions, decompositions[1:]):
         ua, ub = torch.tensor(a.top_left), torch.tensor(b.top_left)
         va, vb = torch.tensor(a.top_right), torch.tensor(b.top_right)
-        out.append((ua @ ub).abs().item() * (va @ vb).abs().item())
+        out.append((ua @ ub).item() * (va @ vb).item())
     return out
 
 

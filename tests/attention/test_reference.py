@@ -10,6 +10,7 @@ from conftest import rel_err, tied_inputs
 
 from stableflash import SFA, Precision, flash_attention
 from stableflash.attention import PRESETS, SITES
+from stableflash.attention.precision import BACKWARD_SITES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,20 +138,37 @@ def test_fa2_forward_error_is_bf16_output_rounding():
     assert rel_err(fa2, exact) < 2.5 * rel_err(exact.bfloat16(), exact)
 
 
-def test_paper_preset_encodes_the_traced_table():
-    traced = json.loads((ROOT / "results/paper-dtypes/paper-dtypes.json").read_text())["sites"]
+# The official code as it trained (compiled), site by site: research/official_trace.py measured these against it
+PAPER_COMPILED = {
+    "qk": "bf16", "scores": "fp32", "row_max": "fp32", "pbar": "fp32", "pbar_operand": "bf16", "tile_sum": "fp32",
+    "pv": "bf16", "rescale": "fp32", "row_sum": "fp32", "acc_scaled": "fp32", "acc": "fp32", "out": "bf16",
+    "row_sum_saved": "bf16", "lse": "fp32", "p": "fp32", "p_operand": "bf16", "dp": "bf16", "delta_terms": "fp32",
+    "delta": "fp32", "ds": "fp32", "ds_operand": "bf16", "dv_part": "bf16", "dv": "fp32", "dk_part": "bf16",
+    "dk": "fp32", "dq_part": "bf16", "dq": "fp32",
+}
+
+
+def test_paper_preset_pins_the_compiled_table():
     paper = PRESETS["paper"]
-    mapping = {"qk": "qk", "scores": "scores", "row_max": "row_max", "pbar": "pbar", "tile_sum": "tile_sum",
-               "pv": "pv", "rescale": "rescale", "row_sum": "row_sum", "acc": "acc", "out": "out", "lse": "lse",
-               "delta": "delta", "p": "p", "p_operand": "p_operand", "dp": "dp", "ds": "ds",
-               "ds_operand": "ds_operand", "dq": "dq", "dk": "dk", "dv": "dv"}
-    for traced_site, site in mapping.items():
-        assert getattr(paper, site) == traced[traced_site], site
-    assert paper.pbar_operand == traced["pv"]  # autocast casts P̄ to bf16 inside the matmul
+    assert set(PAPER_COMPILED) == set(SITES)
+    for site, fmt in PAPER_COMPILED.items():
+        assert getattr(paper, site) == fmt, site
+    assert (paper.block_m, paper.block_n, paper.tile_sum_clamp) == (512, 512, 1e-10)
     docs = (ROOT / "docs/precision.md").read_text()
-    assert "scripts/trace_paper_dtypes.py" in docs
+    assert "research/official_trace.py" in docs
     for site in SITES:
         assert f"| {site} |" in docs, site
+
+
+def test_paper_eager_forward_matches_the_eager_trace():
+    """The eager forward's dtypes as traced (results/paper-dtypes); its backward cannot run eagerly."""
+    traced = json.loads((ROOT / "results/paper-dtypes/paper-dtypes.json").read_text())["sites"]
+    eager = PRESETS["paper-eager"]
+    for site in ("qk", "scores", "row_max", "pbar", "tile_sum", "pv", "rescale", "row_sum", "acc", "out", "lse"):
+        assert getattr(eager, site) == traced[site], site
+    assert eager.acc_scaled == "bf16"  # the in-place O *= c rounds to the bf16 buffer
+    for site in BACKWARD_SITES:
+        assert getattr(eager, site) == PAPER_COMPILED[site], site
 
 
 def test_delta_formulas_agree_in_fp64_and_differ_in_bf16():

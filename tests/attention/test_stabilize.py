@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from conftest import rel_err, tied_inputs
 from hypothesis import given, settings
@@ -124,3 +125,37 @@ def test_kernel_targets_are_the_totals_for_every_head_views_for_a_run_none_for_a
     assert stats.max_score.tolist() == [-torch.inf, 5.0, 5.0, -torch.inf]
     assert stats.kernel_targets(torch.tensor([0, 2]), torch.device("cpu")) is None
     assert stats.kernel_targets(slice(0, 4, 2), torch.device("cpu")) is None
+
+
+def test_official_sfa_is_the_unbounded_rule_and_reference_only():
+    rule = SFA.official()
+    assert (rule.beta, rule.eps, rule.bounded, rule.official_rule) == (2.0, 1e-3, False, True)
+    with pytest.raises(ValueError, match="SFA.official_rule"):
+        SFA(official_rule=True)
+    from stableflash.attention.triton.spec import unsupported_reason
+    assert "reference-only" in unsupported_reason(PRESETS["paper"], rule, torch.bfloat16)
+    # a tied maximum of 200: the official rule shifts every P̄ into underflow, and the official row-sum clamp
+    # (1e-10, in `paper`) turns 0/0 into O = 0: the row's output is lost
+    q, k, v = _rows_as_inputs([200.0, 200.0, 3.0, -5.0], torch.float32)
+    official = flash_attention(q, k, v, causal=False, scale=1.0, stabilize=rule, precision="paper", backend="reference")
+    bounded = flash_attention(q, k, v, causal=False, scale=1.0, stabilize=SFA(), precision="paper", backend="reference")
+    assert (official == 0).all() and torch.isfinite(bounded).all() and (bounded != 0).any()
+
+
+def test_official_sfa_visits_fully_masked_tiles():
+    """Causal rows of the first query tile meet a key tile with no visible key: the official loop visits it and
+    m becomes max(m, 0), which in fp64 changes nothing but the path (O equals plain attention's)."""
+    gen = torch.Generator().manual_seed(5)
+    print("seed 5")
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    q = q - 3.0 * k.mean(2, keepdim=True)  # mostly negative scores: m < 0 before the masked tile
+    tiles = PRESETS["fp64"].replace(block_m=4, block_n=4)
+    plain = flash_attention(q, k, v, causal=True, precision="fp64", backend="reference")
+    official = flash_attention(q, k, v, causal=True, precision=tiles, stabilize=SFA.official(), backend="reference")
+    assert rel_err(official, plain) < 1e-12
+    # in bf16 the extra rescale by exp(m - max(m, 0)) rounds O once more: the rule is visibly a different path
+    low = tiles.replace(**{s: "bf16" for s in ("acc_scaled", "acc")})
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    visited = flash_attention(qb, kb, vb, causal=True, precision=low, stabilize=SFA.official(), backend="reference")
+    skipped = flash_attention(qb, kb, vb, causal=True, precision=low, stabilize=SFA(bounded=False), backend="reference")
+    assert not torch.equal(visited, skipped)

@@ -51,3 +51,16 @@ def test_terms_of_one_sign_and_direction_are_fully_similar():
 def test_round_trip(tmp_path):
     d = decompose_wq_error(*_inputs(4), scale=0.3)
     assert WqErrorDecomposition.load(d.save(tmp_path / "d.json")) == d
+
+
+def test_alignment_is_signed_so_cancellation_shows():
+    gen = torch.Generator().manual_seed(11)
+    print("seed 11")
+    x, k, v, dout = (torch.randn(1, 12, 6, generator=gen, dtype=torch.float64) for _ in range(4))
+    w_q = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    delta_hp = torch.randn(1, 12, generator=gen, dtype=torch.float64)
+    bump = torch.rand(1, 12, generator=gen, dtype=torch.float64) + 0.5
+    up = decompose_wq_error(x, w_q, k[0], v[0], dout[0], delta_hp, delta_hp + bump, scale=0.4)
+    down = decompose_wq_error(x, w_q, k[0], v[0], dout[0], delta_hp, delta_hp - bump, scale=0.4)
+    assert alignment_across_steps([up, up]) == [pytest.approx(1.0)]
+    assert alignment_across_steps([up, down]) == [pytest.approx(-1.0)]

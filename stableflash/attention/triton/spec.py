@@ -163,5 +163,5 @@ def emulated_variant(name: str) -> Precision:
     return knobs[knob]()
 
 
-EMULATED_VARIANTS = ("paper", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp", "bf16+fwdfa2",
+EMULATED_VARIANTS = ("paper", "paper-eager", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp", "bf16+fwdfa2",
                      "bf16+bwdfa2", "bf16+scores32", "bf16+lse32")
