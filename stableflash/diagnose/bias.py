@@ -20,9 +20,10 @@ from stableflash.diagnose.record import Record
 # sites that reach O or δ (the backward's other sites only touch dQ, dK, dV)
 # the P̄ = 1 path of the seed (P̄ into P̄V, its product and the accumulator and O it lands in),
 # and the row statistics (max, tile sum, rescale, running sum)
-GROUPS = {"P̄V path": ("pbar_operand", "pv", "acc", "out"), "row statistics": ("row_max", "tile_sum", "rescale", "row_sum")}
+GROUPS = {"P̄V path": ("pbar_operand", "pv", "acc_scaled", "acc", "out"),
+          "row statistics": ("row_max", "tile_sum", "rescale", "row_sum", "row_sum_saved")}
 FORWARD_AND_DELTA_SITES = ("qk", "scores", "row_max", "pbar", "pbar_operand", "tile_sum", "pv", "rescale", "row_sum",
-                           "acc", "out", "lse", "delta_terms", "delta")
+                           "acc_scaled", "acc", "out", "row_sum_saved", "lse", "delta_terms", "delta")
 
 
 def _row_errors(q, k, v, dout, policy, stabilize, causal, exact):

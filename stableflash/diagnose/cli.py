@@ -108,11 +108,11 @@ def _report(args) -> int:
 
 
 def _reproduce_micro(args) -> int:
-    from stableflash.diagnose.micro import ARMS, MicroSetup, format_table, reproduce_micro
+    from stableflash.diagnose.micro import PREREGISTERED, MicroSetup, format_table, reproduce_micro
 
     if args.steps < 2:
         raise ValueError(f"--steps: expected an integer >= 2, got {args.steps}")
-    arms = args.arms.split(",") if args.arms else list(ARMS)
+    arms = args.arms.split(",") if args.arms else list(PREREGISTERED)
     table = reproduce_micro(args.out, MicroSetup(steps=args.steps, seed=args.seed), arms)
     print(format_table(table))
     print(f"wrote {args.out / 'micro.json'} and {args.out / 'micro.png'}")
@@ -126,7 +126,8 @@ def add_commands(sub) -> None:
     q.add_argument("--out", type=Path, required=True, help="folder for micro.json and micro.png")
     q.add_argument("--steps", type=int, default=3000, help="AdamW steps per arm (default 3000)")
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--arms", default="", help="comma-separated arm names (default: all; 'paper' is required)")
+    q.add_argument("--arms", default="", help="comma-separated arm names (default: the pre-registered ones; 'paper' is required; "
+                   "also paper+l32, paper+fwd32, paper+bwd32)")
     q.set_defaults(func=_reproduce_micro)
 
     p = sub.add_parser("diagnose", help="the seed's analyses: delta, decompose, bias, pv-trace, spectral")
