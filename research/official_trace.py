@@ -9,12 +9,13 @@ clone it into the git-ignored `oracle/` folder and point `--oracle` at it; nothi
 
 `run` calls the official `FlashAttentionFunction` as its `train.py` does (forward under bf16 autocast, backward
 outside it), eagerly and under `torch.compile`, with `STABLE=0` and `STABLE=1`, on random inputs and on inputs
-with tied maxima, and saves its outputs (`oracle-stable{0,1}.pt`; the inputs are seeded and made again), the compile logs (AOT graphs and
-inductor's generated code) and, via `compare`, the bit agreement of every preset (`agreement.json`).
-`compare` recomputes the agreement from the saved tensors on this machine's device.
+with tied maxima, and saves its outputs (`oracle-stable{0,1}.pt`; the inputs are seeded and made again), the
+compile logs (AOT graphs and inductor's generated code) and, via `compare`, the bit agreement of every preset
+(`agreement.json`). `compare` recomputes the agreement from the saved tensors on this machine's device.
 The log-sum-exp, which the official function saves but does not return, is read from a call of its forward
-with a stand-in context (eagerly, and compiled as a graph of its own); `agreement.json` records whether that
-graph's O equals the training path's O bit for bit, which is what makes its lse the training path's lse.
+with a stand-in context (eagerly, and compiled as a graph of its own). That graph's O equals the training
+path's bit for bit (recorded), but its lse need not: inductor fuses it differently. dV, which reads nothing
+else of the forward, checks the training path's lse.
 """
 
 from __future__ import annotations

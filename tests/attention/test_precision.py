@@ -33,3 +33,37 @@ def test_one_pass_takes_another_presets_formats():
     assert all(getattr(bwd, s) == getattr(fa2, s) for s in BACKWARD_SITES) and bwd.qk == "bf16"
     with pytest.raises(ValueError, match="which: expected 'forward' or 'backward'"):
         base.with_pass_of("sideways", "fa2")
+
+
+def test_rounding_modes_per_site():
+    import torch
+
+    from stableflash import flash_attention
+    from stableflash.attention.precision import PRESETS, PV_PATH
+
+    with pytest.raises(ValueError, match="Precision.rounding_sites"):
+        PRESETS["paper"].replace(rounding="stochastic", rounding_sites=("pv", "bogus"))
+    seed = 17
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, 96, 16, generator=gen) for _ in range(3))
+    v = v.abs() + 0.25  # one sign: truncation then biases O downward
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    exact = flash_attention(q.double(), k.double(), v.double(), precision="fp64", backend="reference")
+    paper = PRESETS["paper"]
+
+    def error(policy):
+        return (flash_attention(q, k, v, precision=policy, backend="reference").double() - exact).mean().item()
+
+    toward_zero = paper.with_rounding("toward_zero", PV_PATH)
+    assert toward_zero.rounding_sites == PV_PATH and "toward_zero" in toward_zero.name
+    assert error(toward_zero) < -4 * abs(error(paper))
+    torch.manual_seed(1)
+    a = flash_attention(q, k, v, precision=paper.with_rounding("stochastic", PV_PATH), backend="reference")
+    torch.manual_seed(1)
+    b = flash_attention(q, k, v, precision=paper.with_rounding("stochastic", PV_PATH), backend="reference")
+    assert torch.equal(a, b)
+    # sites outside the list round to nearest: a mode on dQ alone leaves the forward as it was
+    only_qk = paper.with_rounding("toward_zero", ("dq",))
+    assert torch.equal(flash_attention(q, k, v, precision=only_qk, backend="reference"),
+                       flash_attention(q, k, v, precision=paper, backend="reference"))

@@ -15,7 +15,7 @@ def test_presets_load_and_gpt2s_has_the_seed_hyperparameters():
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 1024)
     assert (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.weight_decay) == (0.9, 0.95, 0.0)
     assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.optim.grad_clip) == (1e-3, 1e-5, 2000, 1.0)
-    assert 4 * cfg.data.batch_size * cfg.data.grad_accum * cfg.model.block_size == 524_288
+    assert cfg.data.batch_size * cfg.data.grad_accum * cfg.model.block_size == 327_680  # one process; see the file
     load_config("tiny-cpu")
     load_config("quick-gpu")
 
@@ -55,3 +55,33 @@ def test_newton_schulz_orthogonalises():
     skewed = torch.randn(48, 48, generator=g) @ torch.diag(torch.logspace(-1, 1, 48))
     before, after = torch.linalg.cond(skewed), torch.linalg.cond(newton_schulz(skewed))
     assert after < before / 10
+
+
+def test_gpt2s_owt_is_the_official_recipe():
+    """configs/gpt2s-owt.toml against the values of the analysed code's train.py and model.py."""
+    from stableflash.train.config import load_config
+
+    cfg = load_config("gpt2s-owt", [])
+    m, o, d = cfg.model, cfg.optim, cfg.data
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.bias, m.gelu) == (12, 12, 768, 1024, False, "exact")
+    assert (o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.beta1, o.beta2, o.weight_decay, o.grad_clip) == (
+        1e-3, 1e-5, 2000, 600000, 0.9, 0.95, 0.0, 1.0)
+    assert d.batch_size * d.grad_accum * m.block_size == 327_680 and cfg.run.compile
+    assert cfg.attention.precision == "paper"
+    study = load_config("study-6l", [])
+    assert (study.model.bias, study.model.gelu, study.run.compile) == (False, "exact", True)
+    assert study.data.batch_size * study.data.grad_accum * study.model.block_size >= 131_072
+
+
+def test_exact_gelu_is_torch_s_default_gelu():
+    import torch
+
+    from stableflash.model.gpt import MLP
+    from stableflash.train.config import ModelConfig
+
+    cfg = ModelConfig(n_embd=8, n_head=2, gelu="exact")
+    mlp = MLP(cfg)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(mlp(x), mlp.c_proj(torch.nn.GELU()(mlp.c_fc(x))))
+    with pytest.raises(ValueError, match="model.gelu"):
+        ModelConfig(gelu="erf")
