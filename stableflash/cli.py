@@ -68,12 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _negative_specials(argv: list[str]) -> list[str]:
+    """`explain-add inf -inf`: argparse takes "-inf" and "-nan" for options; a leading space keeps them values
+    (float() ignores it)."""
+    return [f" {a}" if a.lower() in ("-inf", "-infinity", "-nan") else a for a in argv]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["explain-add"]:
+        argv = _negative_specials(argv)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as error:
+    except (ValueError, TypeError, OSError, ImportError) as error:  # a user's mistake: one line, not a traceback
         print(f"stableflash {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -6,8 +6,18 @@ from pathlib import Path
 
 
 def _config(args):
+    """The run's config, with --layer (and --head, where the command has one) checked against it before any work."""
     from stableflash.train.config import load_config
-    return load_config(args.config, args.overrides)
+
+    cfg = load_config(args.config, args.overrides)
+    layer, head = getattr(args, "layer", None), getattr(args, "head", None)
+    if layer is not None and not 0 <= layer < cfg.model.n_layer:
+        raise ValueError(f"--layer: expected 0..{cfg.model.n_layer - 1} (the model has {cfg.model.n_layer} layers), "
+                         f"got {layer}")
+    if head is not None and not 0 <= head < cfg.model.n_head:
+        raise ValueError(f"--head: expected 0..{cfg.model.n_head - 1} (the model has {cfg.model.n_head} heads), "
+                         f"got {head}")
+    return cfg
 
 
 def _delta(args) -> int:

@@ -149,3 +149,13 @@ class WqErrorStudy(Record):
     steps: list
     decompositions: list
     alignment: list
+
+    def to_markdown(self) -> str:
+        lines = [f"layer {self.layer}, head {self.head}, `{self.low}` against `{self.high}`", "",
+                 "| step | Σ Δδ (mean) | rows Δδ > 0 | top direction's share | signed alignment with the next step |",
+                 "|---|---|---|---|---|"]
+        for i, (step, d) in enumerate(zip(self.steps, self.decompositions)):
+            align = f"{self.alignment[i]:+.3f}" if i < len(self.alignment) else ""
+            lines.append(f"| {step} | {d['delta_error_mean']:+.3e} | {d['delta_error_frac_positive']:.2f} | "
+                         f"{d['top_singular_share']:.3f} | {align} |")
+        return "\n".join(lines)

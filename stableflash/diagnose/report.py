@@ -1,8 +1,8 @@
 """`stableflash report RUN_DIR...`: one self-contained HTML page of a study's figures and tables.
 
 Everything is drawn from the files the runs and diagnostics wrote: metrics/monitor/events JSONL
-of each run, and any `delta-trace.json`, `pv-trace.json`, `bias.json` or `isolation.json` found
-in the given folders. Images are embedded, so the page travels alone.
+of each run, and any `delta-trace.json`, `pv-trace.json`, `bias.json`, `decompose.json`,
+`spectral.json` or `isolation.json` found in the given folders (headed by the folder each sits in). Images are embedded, so the page travels alone.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from pathlib import Path
 
 from stableflash.diagnose import figures
 from stableflash.diagnose.bias import BiasAttribution
+from stableflash.diagnose.decompose import WqErrorStudy
 from stableflash.diagnose.delta import DeltaTrace
 from stableflash.diagnose.isolate import IsolationTable
 from stableflash.diagnose.pv_trace import PVTrace
-from stableflash.diagnose.spectral import spectral_history
+from stableflash.diagnose.spectral import SpectralHistory, spectral_history
 
 
 def _markdown_table(text: str) -> str:
@@ -32,6 +33,11 @@ def _markdown_table(text: str) -> str:
 def _img(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode()
     return f'<figure><img src="data:image/png;base64,{data}" alt="{path.stem}"><figcaption>{path.stem}</figcaption></figure>'
+
+
+def _where(path: Path, folder: Path) -> str:
+    """A diagnostic file's folder relative to the reported folder: what tells two bias.json apart."""
+    return str(Path(folder.name) / path.parent.relative_to(folder))
 
 
 def build_report(run_dirs: list[str | Path], out: str | Path, title: str = "stableflash report") -> Path:
@@ -62,9 +68,17 @@ def build_report(run_dirs: list[str | Path], out: str | Path, title: str = "stab
                 trace = PVTrace.load(path)
                 sections.append("<h2>P̄V trace</h2>" + _img(figures.pv_error(trace, tmp / f"{path.stem}.png"))
                                 + f"<pre>{html.escape(trace.explanation_text)}</pre>")
-            for path in sorted(folder.rglob("bias*.json")):
-                sections.append(f"<h2>Bias attribution ({html.escape(path.stem)})</h2>"
+            for path in sorted(folder.rglob("bias*.json")):  # headed by folder: every one is named bias.json
+                sections.append(f"<h2>Bias attribution ({html.escape(_where(path, folder))})</h2>"
                                 + _markdown_table(BiasAttribution.load(path).to_markdown()))
+            for path in sorted(folder.rglob("decompose*.json")):
+                sections.append(f"<h2>W_Q gradient error, decomposed ({html.escape(_where(path, folder))})</h2>"
+                                + _markdown_table(WqErrorStudy.load(path).to_markdown()))
+            for path in sorted(folder.rglob("spectral*.json")):
+                history = SpectralHistory.load(path)
+                sections.append(f"<h2>Spectral norms ({html.escape(_where(path, folder))})</h2>"
+                                + _img(figures.spectral_heatmap(history, tmp / f"{_where(path, folder)}-q.png"
+                                                                .replace("/", "_"))))
             for path in sorted(folder.rglob("isolation.json")):
                 sections.append(f"<h2>Isolation experiments ({html.escape(str(path.parent.name))})</h2>"
                                 + _markdown_table(IsolationTable.load(path).to_markdown()))

@@ -53,4 +53,12 @@ def load_checkpoint(run_dir: Path, name: str = CHECKPOINT, map_location="cpu") -
     path = Path(run_dir) / name
     if not path.exists():
         raise FileNotFoundError(f"--resume: no {name} in {run_dir}")
-    return torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as error:  # torch raises several types for a torn or foreign file
+        raise ValueError(f"checkpoint: {path} is not a readable checkpoint (empty, truncated or not one: "
+                         f"{type(error).__name__}); restore an intact copy or start the run again") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError(f"checkpoint: {path} holds no training state (no step); is it a checkpoint written by "
+                         "stableflash train?")
+    return state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ def add_train_arguments(parser) -> None:
                         help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue that run in its folder from its checkpoint")
     parser.add_argument("--replay", metavar="RUN_DIR", help="train on exactly the batches recorded in RUN_DIR")
+    parser.add_argument("--overwrite", action="store_true", help="--out holds a run: delete its files and start over")
 
 
 def train_command(args) -> int:
@@ -33,8 +35,11 @@ def train_command(args) -> int:
             raise ValueError("--config: a TOML file or preset name is required")
         run_dir = Path(args.out)
         cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay)
+    summary = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay, overwrite=args.overwrite)
     # one write of one line: under torchrun every rank prints its summary into the same pipe
     sys.stdout.write(json.dumps(summary) + "\n")
     sys.stdout.flush()
+    if summary["stop_reason"].startswith("signal "):  # stopped and checkpointed: the shell's 128 + the signal
+        number = summary["stop_reason"].split()[1]
+        return 128 + (int(number) if number.isdigit() else int(signal.SIGTERM))
     return 0

@@ -8,6 +8,7 @@ every run folder as `config.toml` and is what `--resume` reads back.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import typing
 from dataclasses import dataclass, field
@@ -241,7 +242,11 @@ class RunConfig:
     checkpoint_interval: int = 50
     log_interval: int = 1
     deterministic: bool = True
-    """torch.use_deterministic_algorithms (bit-identical reruns on CPU; on GPU as far as torch allows)."""
+    """torch.use_deterministic_algorithms and a fixed CPU thread count (bit-identical reruns on CPU, on any
+    machine; on GPU as far as torch allows)."""
+    threads: int = 0
+    """CPU threads for torch; 0: 1 under `deterministic` (CPU sums depend on the thread count), else half the
+    cores, at most 4 (torch's default, every core, ran 9x slower on a busy 2-core machine)."""
     compile: bool = False
     ddp_bucket_mb: float = 25.0
     """DDP's gradient bucket size (torch's default 25); under torch.compile each bucket splits the graph."""
@@ -284,6 +289,28 @@ def valid_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)]
 
 
+def unknown_key(key: str) -> str:
+    """What to say of an unknown key: the closest valid ones, not all of them."""
+    close = difflib.get_close_matches(key, valid_keys(), n=3, cutoff=0.6)
+    if not close:  # a right key in the wrong section, or a typo of the key alone
+        names = {k.split(".", 1)[1]: k for k in valid_keys()}
+        close = [names[n] for n in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(names), n=3, cutoff=0.6)]
+    hint = f"did you mean {' or '.join(close)}?" if close else "`stableflash train --help` and configs/ show the keys"
+    return f"unknown key {key!r}; {hint}"
+
+
+def _check_types(section: str, cls, table: dict) -> None:
+    """A scalar of the wrong type names its key: `n_layer = "two"` fails here, not deep in a comparison."""
+    hints = typing.get_type_hints(cls)
+    for key, value in table.items():
+        kind = hints[key]
+        expected = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}.get(kind)
+        if expected is None:
+            continue
+        if not isinstance(value, expected) or (kind in (int, float) and isinstance(value, bool)):
+            raise ValueError(f"config: {section}.{key}: expected {kind.__name__}, got {value!r}")
+
+
 def from_dict(data: dict) -> TrainConfig:
     """Build a config, rejecting unknown sections and keys with the list of valid ones."""
     unknown = set(data) - set(_SECTION_CLASSES)
@@ -293,9 +320,10 @@ def from_dict(data: dict) -> TrainConfig:
     for name, cls in _SECTION_CLASSES.items():
         table = dict(data.get(name, {}))
         names = {f.name for f in dataclasses.fields(cls)}
-        bad = set(table) - names
+        bad = sorted(set(table) - names)
         if bad:
-            raise ValueError(f"config: unknown keys {sorted(f'{name}.{k}' for k in bad)}; valid keys: {valid_keys()}")
+            raise ValueError("config: " + "; ".join(unknown_key(f"{name}.{k}") for k in bad))
+        _check_types(name, cls, table)
         if "heads" in table:
             table["heads"] = tuple(table["heads"])
         sections[name] = cls(**table)
@@ -342,17 +370,17 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             layer, sub = parts[2], parts[3]
             ann = typing.get_type_hints(AttentionConfig).get(sub)
             if ann is None:
-                raise ValueError(f"--set {key}: unknown key {sub!r}; valid keys: {valid_keys()}")
+                raise ValueError(f"--set {key}: {unknown_key(f'attention.{sub}')}")
             try:
                 data.setdefault("attention", {}).setdefault("layers", {}).setdefault(layer, {})[sub] = _coerce(value, ann)
             except ValueError as error:
                 raise ValueError(f"--set {key}: {error}") from None
             continue
         if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
-            raise ValueError(f"--set {key}: unknown key; valid keys: {valid_keys()}")
+            raise ValueError(f"--set {key}: {unknown_key('.'.join(parts))}")
         fields_ = typing.get_type_hints(_SECTION_CLASSES[parts[0]])
         if parts[1] not in fields_:
-            raise ValueError(f"--set {key}: unknown key; valid keys: {valid_keys()}")
+            raise ValueError(f"--set {key}: {unknown_key('.'.join(parts))}")
         try:
             data.setdefault(parts[0], {})[parts[1]] = _coerce(value, fields_[parts[1]])
         except ValueError as error:
@@ -370,8 +398,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         if not path.exists():
             presets = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
             raise FileNotFoundError(f"--config: no file {path}; presets in configs/: {presets}")
-        data = tomllib.loads(path.read_text())
-    return from_dict(apply_overrides(data, list(overrides)))
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"--config: {path} is not valid TOML: {error}") from None
+    data = apply_overrides(data, list(overrides))
+    try:
+        return from_dict(data)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}" if path is not None else str(error)) from None
 
 
 def to_toml(data: dict, prefix: str = "") -> str:

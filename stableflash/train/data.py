@@ -57,7 +57,11 @@ def ensure_embedded(data_dir: Path) -> TokenData:
 
 def gpt2_encoder() -> Callable[[str], list[int]]:
     """tiktoken's GPT-2 BPE, with the end-of-text token appended per document."""
-    import tiktoken
+    try:
+        import tiktoken
+    except ImportError:
+        raise ImportError("GPT-2 BPE needs the `tiktoken` package; install the data extra: "
+                          "pip install 'stableflash[data]'") from None
 
     enc = tiktoken.get_encoding("gpt2")
     return lambda text: enc.encode_ordinary(text) + [enc.eot_token]
@@ -77,7 +81,8 @@ def prepare_openwebtext(out_dir: Path, num_docs: int | None = None) -> dict:
     try:
         from datasets import load_dataset
     except ImportError:
-        raise ImportError("openwebtext needs the data extra: pip install 'stableflash[data]'") from None
+        raise ImportError("prepare --dataset openwebtext: needs the `datasets` package; install the data extra: "
+                          "pip install 'stableflash[data]'") from None
     split = "train" if num_docs is None else f"train[:{num_docs}]"
     docs = (row["text"] for row in load_dataset("openwebtext", split=split))
     return prepare_documents(docs, out_dir, gpt2_encoder(), vocab_size=50257, name="openwebtext")
@@ -144,6 +149,14 @@ class ReplayLog:
         self.recorded[step] = [int(o) for o in offsets]
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "offsets": self.recorded[step]}) + "\n")
+
+    def check_covers(self, first: int, stop: int) -> None:
+        """Raise before any work unless steps first..stop-1 are all recorded."""
+        missing = [step for step in range(first, stop) if step not in self.recorded]
+        if missing:
+            raise ValueError(f"--replay: the replayed run recorded batches for steps {min(self.recorded)}.."
+                             f"{max(self.recorded)}, this run needs steps {first}..{stop - 1} (missing from step "
+                             f"{missing[0]}); lower run.max_steps to at most {missing[0]}")
 
     def offsets(self, step: int) -> np.ndarray:
         if step not in self.recorded:

@@ -112,11 +112,11 @@ def train_demo(out: Path, steps: int = 600) -> Path:
     first = None
     started = time.time()
     for name, overrides in SETTINGS.items():
-        cfg = load_config("tiny-cpu", [f"data.data_dir={data_dir}", f"run.max_steps={steps}", "run.progress=false",
+        cfg = load_config("tiny-cpu", [f"data.data_dir={data_dir}", f"run.max_steps={steps}", "run.progress=true",
                                        "model.n_embd=96", "model.n_head=2", "model.block_size=128",
                                        "optim.lr=1e-2", *overrides])
         run_dir = out / "runs" / name
-        summary = train(cfg, run_dir, replay=first)
+        summary = train(cfg, run_dir, replay=first, overwrite=True)  # the demo's own folder: a rerun starts over
         first = first or run_dir
         runs[name] = run_dir
         losses = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import importlib.util
 import json
 import math
@@ -12,6 +13,7 @@ import os
 import platform
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +66,50 @@ def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+RUN_FILES = ("checkpoint.pt", "config.toml", "run.json", "metrics.jsonl", "monitor.jsonl", "events.jsonl",
+             "batches.jsonl")
+"""What a run writes into its folder: a folder holding any of them holds a run."""
+LOCK = ".lock"
+
+
+def cpu_threads(cfg: TrainConfig) -> int:
+    """The CPU thread count a run uses (see `RunConfig.threads`)."""
+    if cfg.run.threads > 0:
+        return cfg.run.threads
+    return 1 if cfg.run.deterministic else max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+def claim_run_folder(run_dir: Path, *, resume: bool, overwrite: bool = False):
+    """Lock `run_dir` for this process (released when it exits, a SIGKILL included) and check it fits the call: a
+    new run needs a folder without a run in it (or `overwrite`, which removes that run's files), `resume` one with
+    a checkpoint. Removes temporary files a killed save left behind. Returns the open lock file."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(run_dir / LOCK, "a+")  # noqa: SIM115 (held open for the run's lifetime)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise BlockingIOError(f"--out: {run_dir} is being written by another training ({holder}); wait for it to "
+                              "finish or choose another folder") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()}\n")
+    lock.flush()
+    present = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not resume and present:
+        if not overwrite:
+            lock.close()
+            raise FileExistsError(f"--out: {run_dir} already holds a run ({', '.join(present)}); continue it with "
+                                  f"--resume {run_dir}, start over with --overwrite, or choose another folder")
+        for name in present:
+            (run_dir / name).unlink()
+    for orphan in run_dir.glob("*.tmp[0-9]*"):  # a save killed between write and rename
+        orphan.unlink()
+    return lock
+
+
 def _provenance(cfg: TrainConfig, device: torch.device) -> dict:
     source = Path(__file__).resolve().parents[2]  # the checkout the package runs from, whatever the cwd
 
@@ -73,6 +119,7 @@ def _provenance(cfg: TrainConfig, device: torch.device) -> dict:
         except (OSError, subprocess.SubprocessError):
             return None
     info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "commit": sh("git", "rev-parse", "HEAD", cwd=source) or os.environ.get("STABLEFLASH_COMMIT"),
             "diff": sh("git", "diff", "--stat", cwd=source),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -93,12 +140,15 @@ def _tile_picks():
 class Trainer:
     """One run in one folder. `run()` trains from the current step to `cfg.run.max_steps`."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None):
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None,
+                 overwrite: bool = False):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.rank, self.world, local_rank = _distributed()
         self.device = _device(cfg, local_rank)
         self.is_main = self.rank == 0
+        self._lock = claim_run_folder(self.run_dir, resume=resume, overwrite=overwrite) if self.is_main else None
+        torch.set_num_threads(cpu_threads(cfg))
         if cfg.run.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -120,12 +170,11 @@ class Trainer:
         self.replay = ReplayLog(Path(replay) / "batches.jsonl") if replay else None
         if self.replay is not None and not self.replay.recorded:
             raise FileNotFoundError(f"--replay: {replay} has no recorded batches (batches.jsonl)")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.monitor = Monitor(cfg.monitor, self.model, self.run_dir, enabled=self.is_main)
         if resume:
             self._load()
         self._pick_attention_tiles()
         self.batch_log = ReplayLog(self.run_dir / "batches.jsonl") if self.is_main else None
-        self.monitor = Monitor(cfg.monitor, self.model, self.run_dir, enabled=self.is_main)
         self.tensorboard = None
         if self.is_main:
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
@@ -133,6 +182,8 @@ class Trainer:
                 (self.run_dir / "run.json").write_text(json.dumps(_provenance(cfg, self.device), indent=2))
                 for name in ("metrics.jsonl", "monitor.jsonl", "events.jsonl"):
                     (self.run_dir / name).write_text("")
+            else:
+                self._check_threads()
             if cfg.run.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
                 self.tensorboard = SummaryWriter(str(self.run_dir / "tb"))
@@ -144,33 +195,58 @@ class Trainer:
                 "optimizers": [o.state_dict() for o in self.optimizers], "rng": rng_state(),
                 "data_cursor": {"next_step": self.step, "seed": self.cfg.run.seed},
                 "attention": [a.attention for a in self.model.attentions], "config": self.cfg.to_dict(),
-                "tile_picks": picks.state_dict() if (picks := _tile_picks()) is not None else []}
+                "tile_picks": picks.state_dict() if (picks := _tile_picks()) is not None else [],
+                "monitor": self.monitor.state_dict()}
 
     def save(self) -> None:
         if self.is_main:
+            # the batch of the step a resume (or a diagnosis of this checkpoint) starts with, recorded now: a
+            # replay of this run from its own checkpoint finds it
+            if self.batch_log is not None and (self.replay is None or self.step in self.replay.recorded):
+                self.batch_log.record(self.step, self.batch_offsets(self.step))
             save_checkpoint(self.run_dir, self._state())
         if self.world > 1:
             dist.barrier()
 
     def _load(self) -> None:
         state = load_checkpoint(self.run_dir, map_location=self.device)
+        saved = state.get("config", {}).get("model", {})
+        changed = sorted(k for k, v in dataclasses.asdict(self.cfg.model).items() if k in saved and saved[k] != v)
+        if changed:
+            raise ValueError(f"--set: the checkpoint's model has other {', '.join(f'model.{k}' for k in changed)} "
+                             f"({', '.join(f'{saved[k]!r}' for k in changed)}); a resume keeps the model's shape, so "
+                             "drop those --set or start a new run")
         self.model.load_state_dict(state["model"])
         for opt, s in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(s)
         for attn, layer_attention in zip(self.model.attentions, state.get("attention", [])):
             attn.attention = layer_attention
         set_rng_state(state["rng"])
+        if "monitor" in state:
+            self.monitor.load_state_dict(state["monitor"])
         if state.get("tile_picks") and _tile_picks() is not None:
             from stableflash.attention.triton.ops import pin_tiles
             pin_tiles(state["tile_picks"])
         self.step = state["step"]
         # drop log lines of steps after the checkpoint: they are recomputed, bit for bit
-        for name in ("metrics.jsonl", "monitor.jsonl"):
+        for name in ("metrics.jsonl", "monitor.jsonl", "events.jsonl"):
             path = self.run_dir / name
             if path.exists() and self.is_main:
                 keep = [line for line in path.read_text().splitlines()
                         if line.strip() and json.loads(line).get("step", 0) <= self.step]
                 path.write_text("".join(line + "\n" for line in keep))
+
+    def _check_threads(self) -> None:
+        """Warn when a resume runs on another CPU thread count than the run started with: CPU sums, and so the
+        run's last bits, depend on it."""
+        path = self.run_dir / "run.json"
+        started = json.loads(path.read_text()).get("threads") if path.exists() else None
+        now = torch.get_num_threads()
+        if started is not None and started != now and self.device.type == "cpu":
+            message = (f"resuming with {now} CPU threads where the run started with {started}: the continuation "
+                       "is not bit-exact (set run.threads to fix it)")
+            print(f"stableflash train: warning: {message}", file=sys.stderr)
+            self._log("events.jsonl", {"step": self.step, "kind": "warning", "signal": "threads", "message": message})
 
     def _pick_attention_tiles(self) -> None:
         """Autotune the fused attention eagerly, once per distinct layer attention, before the first step (a
@@ -337,6 +413,8 @@ class Trainer:
 
     def run(self) -> dict:
         cfg = self.cfg
+        if self.replay is not None:  # before any step: a replay too short fails now, not after hours
+            self.replay.check_covers(self.step, cfg.run.max_steps)
         tokens_per_step = self.global_batch * cfg.model.block_size
         progress = None
         if self.is_main and cfg.run.progress:
@@ -406,12 +484,13 @@ class Trainer:
                 "attention": [a.attention.describe() for a in self.model.attentions]}
 
 
-def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None) -> dict:
+def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None,
+          overwrite: bool = False) -> dict:
     """A run to its end; under torchrun the process group is torn down before returning. Left to interpreter exit,
     gloo's threads were destroyed unjoined and a rank aborted ("terminate called without an active exception"):
     11 of 25 two-process runs on a loaded 2-core machine, none of 25 with the group destroyed."""
     try:
-        summary = Trainer(cfg, run_dir, resume=resume, replay=replay).run()
+        summary = Trainer(cfg, run_dir, resume=resume, replay=replay, overwrite=overwrite).run()
         if dist.is_initialized():
             dist.barrier()  # every rank past its last collective before any tears its group down
         return summary

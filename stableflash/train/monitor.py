@@ -49,15 +49,22 @@ class SpectralNorms:
         norms = {}
         for name, w in head_matrices(model).items():
             v = self.vectors.get(name)
-            if v is None or v.shape != (w.shape[0], w.shape[2]) or v.device != w.device:
+            if v is None or v.shape != (w.shape[0], w.shape[2]):
                 g = torch.Generator(device="cpu").manual_seed(0)
-                v = torch.randn(w.shape[0], w.shape[2], generator=g).to(w.device)
+                v = torch.randn(w.shape[0], w.shape[2], generator=g)
+            v = v.to(w.device)
             for _ in range(self.iters):
                 u = torch.nn.functional.normalize(torch.einsum("brc,bc->br", w, v), dim=-1)
                 v = torch.nn.functional.normalize(torch.einsum("brc,br->bc", w, u), dim=-1)
             self.vectors[name] = v
             norms[name] = torch.einsum("brc,bc->br", w, v).norm(dim=-1)
         return norms
+
+    def state_dict(self) -> dict:
+        return {name: v.cpu() for name, v in self.vectors.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.vectors = {name: v.clone() for name, v in state.items()}
 
 
 def _jump(past, value: float, factor: float, *, minimum: float = -math.inf, warm: int = 3,
@@ -90,6 +97,24 @@ class Monitor:
         self.coarse_scores: set[tuple[int, int]] = set()  # heads already warned by the resolution rule
         self.n_head = model.config.n_head
         self.armed = False
+
+    def state_dict(self) -> dict:
+        """Everything the rules remember (running medians, warned heads, power-iteration vectors): a resumed run
+        raises the warnings and stops an uninterrupted one would."""
+        def table(history):
+            return [[layer, head, list(values)] for (layer, head), values in history.items()]
+        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms), "history": table(self.history),
+                "logit_history": table(self.logit_history), "coarse_scores": sorted(self.coarse_scores),
+                "spectral": self.spectral.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses.extend(state["losses"])
+        self.grad_norms.extend(state["grad_norms"])
+        for name, maxlen in (("history", 20), ("logit_history", 20)):
+            getattr(self, name).update({(layer, head): deque(values, maxlen=maxlen)
+                                        for layer, head, values in state[name]})
+        self.coarse_scores = {tuple(pair) for pair in state["coarse_scores"]}
+        self.spectral.load_state_dict(state["spectral"])
 
     def step_due(self, step: int) -> bool:
         """Whether `step` is a monitored step (the same on every rank)."""
