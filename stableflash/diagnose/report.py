@@ -2,7 +2,8 @@
 
 Everything is drawn from the files the runs and diagnostics wrote: metrics/monitor/events JSONL
 of each run, and any `delta-trace.json`, `pv-trace.json`, `bias.json`, `decompose.json`,
-`spectral.json` or `isolation.json` found in the given folders (headed by the folder each sits in). Images are embedded, so the page travels alone.
+`spectral.json` or `isolation.json` found in the given folders (headed by the folder each sits
+in). Images are embedded, so the page travels alone.
 """
 
 from __future__ import annotations
