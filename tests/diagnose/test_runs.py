@@ -143,6 +143,7 @@ def test_policy_errors_at_a_checkpoint_script(base_run, tmp_path):
 def test_report_embeds_every_figure(base_run, tmp_path):
     run, _ = base_run
     assert main(["diagnose", "bias", "--ties", "3", "--keys", "64", "--out", str(tmp_path / "diag")]) == 0
+    assert main(["diagnose", "bias", "--ties", "2", "--keys", "64", "--out", str(tmp_path / "diag" / "two")]) == 0
     assert main(["diagnose", "pv-trace", "--ties", "3", "--keys", "64", "--out", str(tmp_path / "diag")]) == 0
     assert main(["diagnose", "spectral", str(run), "--out", str(tmp_path / "diag")]) == 0
     (tmp_path / "diag" / "delta-trace.json").write_text(json.dumps(
@@ -151,10 +152,11 @@ def test_report_embeds_every_figure(base_run, tmp_path):
     out = build_report([run, tmp_path / "diag"], tmp_path / "report.html")
     page = out.read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    # loss, spectral heat map, repeated maxima vs loss, δ cumulative sum, P̄V trace
-    assert len(images) == 5
+    # loss, spectral heat map, repeated maxima vs loss, δ cumulative sum, P̄V trace, spectral.json's heat map
+    assert len(images) == 6
     assert all(base64.b64decode(img)[:8] == b"\x89PNG\r\n\x1a\n" for img in images)
-    assert "Bias attribution" in page and "<table>" in page
+    assert "Bias attribution (diag)" in page and "Bias attribution (diag/two)" in page and "<table>" in page
+    assert "Spectral norms (diag)" in page
     with pytest.raises(FileNotFoundError, match="RUN_DIR"):
         build_report([tmp_path / "nope"], tmp_path / "r.html")
 
@@ -170,3 +172,5 @@ def test_cli_diagnose_delta_and_decompose(base_run, tmp_path, capsys):
     study = json.loads((tmp_path / "d" / "decompose.json").read_text())
     assert len(study["decompositions"]) == 2 and len(study["alignment"]) == 1
     assert "residual" in capsys.readouterr().out
+    page = build_report([tmp_path / "d"], tmp_path / "report.html").read_text()
+    assert "W_Q gradient error, decomposed (d)" in page and "signed alignment" in page
