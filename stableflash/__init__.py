@@ -1,7 +1,17 @@
 """stableflash: BF16 flash-attention training that is stable, fast, and explainable."""
 
-from stableflash.attention import SFA, AttentionStats, ClampPbar, Precision, flash_attention
-from stableflash.numerics import explain_add
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["SFA", "AttentionStats", "ClampPbar", "Precision", "explain_add", "flash_attention", "__version__"]
+# Imported on first use, so that a command that needs none of them (`stableflash explain-add`) starts in a
+# second instead of paying for torch.compile's machinery, which the attention layer pulls in.
+_EXPORTS = {"SFA": "stableflash.attention", "AttentionStats": "stableflash.attention",
+            "ClampPbar": "stableflash.attention", "Precision": "stableflash.attention",
+            "flash_attention": "stableflash.attention", "explain_add": "stableflash.numerics"}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'stableflash' has no attribute {name!r}")
