@@ -19,7 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # package data: a wheel install has the presets
 STABILIZERS = ("none", "sfa", "sfa-bounded", "sfa-unbounded", "clamp")
 
 
@@ -397,7 +397,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
             path = CONFIG_DIR / f"{path}.toml"
         if not path.exists():
             presets = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
-            raise FileNotFoundError(f"--config: no file {path}; presets in configs/: {presets}")
+            raise FileNotFoundError(f"--config: no file {path}; presets: {presets}")
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as error:

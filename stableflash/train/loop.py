@@ -23,7 +23,7 @@ import torch.distributed as dist
 from stableflash.model.gpt import GPT, LayerAttention
 from stableflash.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from stableflash.train.config import AttentionConfig, TrainConfig
-from stableflash.train.data import ReplayLog, TokenData, batch_offsets, gather
+from stableflash.train.data import ReplayLog, TokenData, batch_offsets, ensure_embedded, gather
 from stableflash.train.monitor import Monitor
 from stableflash.train.optim import build_optimizers, set_lr
 
@@ -153,7 +153,9 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(cfg.run.seed)
-        self.data = TokenData(cfg.data.data_dir, cfg.data.dataset)
+        # the embedded corpus ships with the package: prepared on first use instead of a hint to prepare it
+        embedded = cfg.data.dataset == "shakespeare-char"
+        self.data = ensure_embedded(cfg.data.data_dir) if embedded else TokenData(cfg.data.data_dir, cfg.data.dataset)
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's {self.data.vocab_size}")
         self.model = GPT(cfg.model, cfg.attention).to(self.device)

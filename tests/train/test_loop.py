@@ -140,9 +140,11 @@ def test_replay_sees_the_same_batches(tmp_path, tiny):
     assert (tmp_path / "d" / "metrics.jsonl").read_text() == ""
 
 
-def test_missing_data_names_the_prepare_command(tmp_path, tiny):
-    with pytest.raises(FileNotFoundError, match="stableflash prepare --dataset shakespeare-char"):
-        train(tiny(f"data.data_dir={tmp_path}"), tmp_path / "run")
+def test_the_embedded_corpus_is_prepared_on_first_use_and_other_data_named(tmp_path, tiny):
+    train(tiny(f"data.data_dir={tmp_path}", "run.max_steps=2"), tmp_path / "run")
+    assert (tmp_path / "shakespeare-char" / "train.bin").exists()
+    with pytest.raises(FileNotFoundError, match="stableflash prepare --dataset openwebtext"):
+        train(tiny(f"data.data_dir={tmp_path}", "data.dataset=openwebtext", "model.vocab_size=50304"), tmp_path / "b")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
