@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from stableflash.numerics.formats import get_format
+from stableflash.numerics.formats import Format, get_format
 from stableflash.numerics.rounding import ROUNDING_MODES
 
 DeltaFormula = Literal["do_o", "dp_p", "do_o_recomputed"]
@@ -155,7 +155,7 @@ class Precision:
                 except ValueError:
                     raise ValueError(
                         f"Precision.{site}: unknown format {value!r}; expected 'input' or a format name "
-                        "such as 'bf16', 'fp16', 'fp32', 'fp64', 'fp8_e4m3', 'fp8_e5m2'") from None
+                        "such as 'bf16', 'fp16', 'fp32', 'fp64', 'fp8_e4m3', 'fp8_e5m2', 'e8m6' ... 'e8m3'") from None
         if self.compute not in ("fp32", "fp64"):
             raise ValueError(f"Precision.compute: expected 'fp32' or 'fp64', got {self.compute!r}")
         if self.o_saved != "out":
@@ -178,12 +178,15 @@ class Precision:
 
     # -- resolution --------------------------------------------------------------
 
-    def dtype(self, site: str, input_dtype: torch.dtype) -> torch.dtype:
-        """torch dtype that `site`'s result is stored in for inputs of `input_dtype`."""
+    def format(self, site: str, input_dtype: torch.dtype) -> Format:
+        """The format `site`'s result is rounded to for inputs of `input_dtype`."""
         value = getattr(self, site)
-        if value == "input":
-            return input_dtype
-        return get_format(value).torch_dtype
+        return get_format(input_dtype if value == "input" else value)
+
+    def dtype(self, site: str, input_dtype: torch.dtype) -> torch.dtype:
+        """torch dtype that `site`'s result is stored in for inputs of `input_dtype` (fp32 for a format torch has
+        no dtype for, such as e8m4: the values are the format's, the storage fp32)."""
+        return self.format(site, input_dtype).torch_dtype or torch.float32
 
     def compute_dtype(self) -> torch.dtype:
         return get_format(self.compute).torch_dtype

@@ -65,10 +65,16 @@ class _Rounder:
         wider = torch.float64 if dtype == torch.float64 else torch.float32
         return round_to(x, get_format(dtype), mode, dtype=wider).to(dtype)
 
+    def format(self, site: str):
+        return self.policy.format(site, self.input_dtype)
+
     def site(self, name: str, x: torch.Tensor) -> torch.Tensor:
         sites = self.policy.rounding_sites
         mode = self.policy.rounding if not sites or name in sites else "nearest"
-        return self.cast(x, self.dtype(name), mode)
+        fmt = self.format(name)
+        if fmt.torch_dtype is None:  # e8m4 and the like: the format's values, held in fp32
+            return round_to(x, fmt, mode, dtype=torch.float32)
+        return self.cast(x, fmt.torch_dtype, mode)
 
     def up(self, x: torch.Tensor) -> torch.Tensor:
         """Value of `x` in the compute dtype."""
@@ -138,8 +144,8 @@ def forward(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize
     r = _Rounder(policy, q.dtype)
     B, H, T, D = q.shape
     device = q.device
-    pbar_fmt = get_format(r.dtype("pbar_operand"))
-    row_max_fmt = get_format(r.dtype("row_max"))
+    pbar_fmt = r.format("pbar_operand")
+    row_max_fmt = r.format("row_max")
     out = torch.empty(B, H, T, D, dtype=r.dtype("out"), device=device)
     o_saved = None
     if policy.o_saved != "out":

@@ -67,3 +67,38 @@ def test_rounding_modes_per_site():
     only_qk = paper.with_rounding("toward_zero", ("dq",))
     assert torch.equal(flash_attention(q, k, v, precision=only_qk, backend="reference"),
                        flash_attention(q, k, v, precision=paper, backend="reference"))
+
+
+def test_narrow_bf16_formats_dose_the_pv_error():
+    """e8m6 ... e8m3 (bf16's exponent, fewer fraction bits) at P̄V's path: the error grows with each bit taken."""
+    import torch
+
+    from stableflash import flash_attention
+    from stableflash.attention.precision import PRESETS, PV_PATH
+    from stableflash.attention.triton.spec import unsupported_reason
+    from stableflash.numerics import get_format
+
+    assert [get_format(f"e8m{b}").fraction_bits for b in (6, 5, 4, 3)] == [6, 5, 4, 3]
+    seed = 23
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, 80, 16, generator=gen) for _ in range(3))
+    v = v.abs() + 0.25
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    exact = flash_attention(q.double(), k.double(), v.double(), precision="fp64", backend="reference")
+    fp32 = PRESETS["fp32"]
+
+    def dosed(fmt, mode="nearest"):
+        policy = fp32.with_sites(**{s: fmt for s in ("pv", "acc")})
+        if mode != "nearest":
+            policy = policy.with_rounding(mode, PV_PATH)
+        return flash_attention(q, k, v, precision=policy, backend="reference").double() - exact
+
+    errors = [dosed(f"e8m{b}").abs().mean().item() for b in (6, 5, 4, 3)]
+    assert errors == sorted(errors) and errors[-1] > 4 * errors[0], errors
+    assert dosed("e8m3", "toward_zero").mean() < -4 * dosed("e8m3").mean().abs()
+    torch.manual_seed(5)
+    a = dosed("e8m3", "stochastic")
+    torch.manual_seed(5)
+    assert torch.equal(a, dosed("e8m3", "stochastic"))
+    assert "e8m4" in unsupported_reason(fp32.with_sites(pv="e8m4"), None, torch.bfloat16)

@@ -78,7 +78,7 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
     if policy.delta_formula == "do_o_recomputed":
         return "delta_formula 'do_o_recomputed' is reference-only"
     for site in SITES:
-        if policy.dtype(site, dtype) not in _CODES:
+        if policy.dtype(site, dtype) not in _CODES or policy.format(site, dtype).torch_dtype is None:
             return f"site {site} in {getattr(policy, site)} (kernels round to fp32, bf16 or fp16)"
     for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
         if policy.dtype(site, dtype) not in (dtype, torch.float32):
