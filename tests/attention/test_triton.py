@@ -40,7 +40,10 @@ def _attention(q, k, v, **kw):
 
 
 def _inputs(shape, dtype=torch.bfloat16, seed=None):
-    g = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    """Fresh random q, k, v on every call; the seed is printed, so a failure's captured output names it."""
+    seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+    print(f"_inputs{tuple(shape)} {dtype}: seed {seed}")
+    g = torch.Generator().manual_seed(seed)
     return [torch.randn(*shape, generator=g).to(dtype).to(DEVICE).requires_grad_() for _ in range(3)]
 
 
