@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 # second instead of paying for torch.compile's machinery, which the attention layer pulls in.
 _EXPORTS = {"SFA": "stableflash.attention", "AttentionStats": "stableflash.attention",
             "ClampPbar": "stableflash.attention", "Precision": "stableflash.attention",
-            "flash_attention": "stableflash.attention", "explain_add": "stableflash.numerics"}
+            "flash_attention": "stableflash.attention", "flash_attn_func": "stableflash.attention",
+            "flash_attn_varlen_func": "stableflash.attention", "explain_add": "stableflash.numerics"}
 __all__ = [*_EXPORTS, "__version__"]
 
 

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from stableflash.attention.mask import Visibility
 from stableflash.attention.precision import Precision, from_cache_key, resolve
 from stableflash.attention.reference import reference_attention
 from stableflash.attention.stabilize import cache_key, check_stabilize
@@ -20,6 +21,7 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _check_inputs(q, k, v):
+    """q (B, H, Tq, D), k and v (B, H_kv, Tk, D) with H_kv dividing H (GQA/MQA), in the (B, H, T, D) layout."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -27,23 +29,46 @@ def _check_inputs(q, k, v):
             raise ValueError(f"{name}: expected rank 4 (B, H, T, D), got shape {tuple(t.shape)}")
         if t.dtype not in _FLOATS:
             raise TypeError(f"{name}: expected dtype float16, bfloat16, float32 or float64, got {t.dtype}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} does not match k's {tuple(k.shape)}")
+    B, H, Tq, D = q.shape
+    if k.shape[0] != B or k.shape[-1] != D:
+        raise ValueError(f"k: expected batch {B} and head dim {D} as q's, got shape {tuple(k.shape)}")
+    if k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(f"k: its {k.shape[1]} heads must divide q's {H} (grouped-query attention)")
     for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} does not match q's {tuple(q.shape)}")
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: dtype {t.dtype} does not match q's {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: device {t.device} does not match q's {q.device}")
-    if q.shape[-1] < 1 or q.shape[-2] < 1:
-        raise ValueError(f"q: expected T >= 1 and D >= 1, got shape {tuple(q.shape)}")
+    if D < 1 or Tq < 1 or k.shape[-2] < 1:
+        raise ValueError(f"q, k: expected T >= 1 and D >= 1, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
 
 
-def _math_attention(q, k, v, scale, causal, stats):
+def _check_mask_arguments(window, key_padding_mask, q, k):
+    if window is not None:
+        if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) for w in window)
+                and all(w >= -1 for w in window)):
+            raise ValueError(f"window: expected (left, right) ints >= -1 (-1: unbounded), got {window!r}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("key_padding_mask: expected a bool tensor (True = a real key)")
+        if tuple(key_padding_mask.shape) != (q.shape[0], k.shape[-2]):
+            raise ValueError(f"key_padding_mask: expected shape (B, Tk) = {(q.shape[0], k.shape[-2])}, "
+                             f"got {tuple(key_padding_mask.shape)}")
+
+
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v with each head repeated for its group of q heads (autograd sums the group's gradients back)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _math_attention(q, k, v, scale, vis: Visibility, stats):
     """Plain softmax attention in the inputs' dtype (fully materialised scores)."""
     s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        T = q.shape[-2]
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    hidden = vis.hidden(0, q.shape[-2], 0, k.shape[-2], q.device)
+    if hidden is not None:
+        s = s.masked_fill(hidden, -math.inf)
     if stats is not None:
         rm = s.amax(-1, keepdim=True)
         repeated = (((rm - s) <= stats.eps) & torch.isfinite(s)).sum(-1) > 1
@@ -80,12 +105,19 @@ def flash_attention(
     precision: str | Precision = "fa2",
     backend: str = "auto",
     stats: AttentionStats | None = None,
+    window: tuple[int, int] | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    layout: str = "bhtd",
 ) -> torch.Tensor:
     """Scaled dot-product attention with controllable numerics.
 
     Args:
-        q, k, v: (B, H, T, D) tensors of one floating dtype and device.
-        causal: mask keys after each query.
+        q, k, v: q (B, H, Tq, D), k and v (B, H_kv, Tk, D) of one floating dtype and device; H_kv dividing H is
+            grouped-query (or multi-query) attention. `layout="bthd"` takes (B, T, H, D) instead, and returns it.
+        causal: mask keys after each query, aligned to the bottom right when Tk != Tq (as flash-attn).
+        window: (left, right) as flash-attn's `window_size`: query i sees keys i + Tk - Tq - left ... + right
+            (-1: unbounded).
+        key_padding_mask: (B, Tk) bool, True where the key is real.
         scale: score scale; default 1/sqrt(D).
         stabilize: None, `SFA(beta, eps)` (stabilized flash attention) or `ClampPbar()`.
         precision: a `Precision` or a preset name: "fa2" (default, production
@@ -99,8 +131,23 @@ def flash_attention(
     Returns:
         O, shaped like q, in the dtype of the policy's `out` site ("math" and
         "sdpa": the inputs' dtype). Differentiable with respect to q, k, v.
+        Rows that see no key give O = 0 and zero gradients.
+
+    GQA, Tk != Tq, windows and key padding run on the reference, math and sdpa backends; "auto" takes the reference
+    for them, and "triton" refuses them (the fused kernels do not have them yet).
     """
+    if layout not in ("bhtd", "bthd"):
+        raise ValueError(f"layout: expected 'bhtd' (B, H, T, D) or 'bthd' (B, T, H, D), got {layout!r}")
+    if layout == "bthd":
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name}: expected a rank-4 (B, T, H, D) tensor")
+        out = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=scale,
+                              stabilize=stabilize, precision=precision, backend=backend, stats=stats, window=window,
+                              key_padding_mask=key_padding_mask)
+        return out.transpose(1, 2)
     _check_inputs(q, k, v)
+    _check_mask_arguments(window, key_padding_mask, q, k)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     policy = resolve(precision)
@@ -117,10 +164,19 @@ def flash_attention(
             raise TypeError(f"stats: expected an AttentionStats, got {type(stats).__name__}")
         stats.check(q.shape[1])
 
+    extended = (k.shape[1] != q.shape[1] or k.shape[-2] != q.shape[-2] or key_padding_mask is not None
+                or (window is not None and tuple(window) != (-1, -1)))
+    vis = Visibility(q.shape[-2], k.shape[-2], causal=causal, window=tuple(window or (-1, -1)),
+                     key_padding=key_padding_mask)
     if backend == "auto":
         backend = "reference"
-        if triton_available(q) and _triton_supports(policy.cache_key, cache_key(stabilize), q.dtype):
+        if not extended and triton_available(q) and _triton_supports(policy.cache_key, cache_key(stabilize), q.dtype):
             backend = "triton"
+    if extended:
+        if backend == "triton":
+            raise ValueError("backend: 'triton' has no GQA, Tk != Tq, window or key padding yet; use backend="
+                             "'reference' or 'auto' (which takes the reference for them)")
+        k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     if backend in ("math", "sdpa"):
         if stabilize is not None:
             raise ValueError(f"stabilize: backend {backend!r} computes plain softmax; use backend='reference' or 'triton'")
@@ -128,9 +184,14 @@ def flash_attention(
         if policy.cache_key != resolve("fa2").cache_key:
             raise ValueError(f"precision: backend {backend!r} has fixed numerics; use backend='reference' or 'triton'")
         if backend == "math":
-            return _math_attention(q, k, v, scale, causal, stats)
+            return _math_attention(q, k, v, scale, vis, stats)
         if stats is not None:
             raise ValueError("stats: backend 'sdpa' cannot count; use 'math', 'reference' or 'triton'")
+        if extended:
+            hidden = vis.hidden(0, q.shape[-2], 0, k.shape[-2], q.device)
+            if hidden is not None and hidden.all(-1).any():
+                raise ValueError("backend: 'sdpa' gives NaN where a query sees no key; use 'reference' or 'math'")
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=None if hidden is None else ~hidden, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if backend == "triton":
         if not q.is_cuda or not _HAS_TRITON:
@@ -139,7 +200,8 @@ def flash_attention(
         from stableflash.attention import triton as triton_backend
         return triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy,
                                         stabilize=stabilize, stats=stats)
-    return reference_attention(q, k, v, scale=scale, causal=causal, policy=policy, stabilize=stabilize, stats=stats)
+    return reference_attention(q, k, v, scale=scale, causal=vis if extended else causal, policy=policy,
+                               stabilize=stabilize, stats=stats)
 
 
 @torch.compiler.assume_constant_result

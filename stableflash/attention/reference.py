@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from stableflash.attention.mask import Visibility
 from stableflash.attention.precision import Precision
 from stableflash.attention.stabilize import SFA, ClampPbar
 from stableflash.attention.stats import AttentionStats
@@ -93,13 +94,11 @@ class _Rounder:
         return self.site(site, self.up(a) @ self.up(b))
 
 
-def _causal_mask(row_start: int, rows: int, col_start: int, cols: int, device) -> torch.Tensor | None:
-    """True where key index > query index, or None if nothing in the tile is masked."""
-    if col_start + cols - 1 <= row_start:
-        return None
-    r = torch.arange(row_start, row_start + rows, device=device)[:, None]
-    c = torch.arange(col_start, col_start + cols, device=device)[None, :]
-    return c > r
+def _visibility(causal: bool | Visibility, q, k) -> Visibility:
+    """A `Visibility` from the public `causal` flag (or one passed through)."""
+    if isinstance(causal, Visibility):
+        return causal
+    return Visibility(q.shape[-2], k.shape[-2], causal=causal)
 
 
 def _tiles(length: int, block: int | None):
@@ -107,10 +106,10 @@ def _tiles(length: int, block: int | None):
     return [(start, min(block, length - start)) for start in range(0, length, block)]
 
 
-def _scores(r: _Rounder, qi, kj, scale, causal, i0, j0):
+def _scores(r: _Rounder, qi, kj, scale, vis: Visibility, i0, j0):
     qk = r.mm(qi, kj.transpose(-1, -2), "qk")
     s = r.site("scores", r.ew(lambda a: a * scale, qk))
-    mask = _causal_mask(i0, qi.shape[-2], j0, kj.shape[-2], qi.device) if causal else None
+    mask = vis.hidden(i0, qi.shape[-2], j0, kj.shape[-2], qi.device)
     if mask is not None:
         s = s.masked_fill(mask, -math.inf)
     return s
@@ -138,11 +137,13 @@ def _official_near_max_count(r: _Rounder, s: torch.Tensor, rm: torch.Tensor, eps
 
 
 @_policy_rounds_alone
-def forward(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize=None,
+def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precision, stabilize=None,
             stats: AttentionStats | None = None, heads=slice(None)):
     """Tiled forward. Returns (out, o_saved, lse); see the module docstring for the rounding."""
     r = _Rounder(policy, q.dtype)
+    vis = _visibility(causal, q, k)
     B, H, T, D = q.shape
+    Tk = k.shape[-2]
     device = q.device
     pbar_fmt = r.format("pbar_operand")
     row_max_fmt = r.format("row_max")
@@ -162,11 +163,11 @@ def forward(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize
         m = torch.full((B, H, bm, 1), -math.inf, dtype=r.dtype("row_max"), device=device)
         l = torch.zeros(B, H, bm, 1, dtype=r.dtype("row_sum"), device=device)
         acc = torch.zeros(B, H, bm, D, dtype=r.dtype("acc"), device=device)
-        for j0, bn in _tiles(T, policy.block_n):
-            if causal and j0 > i0 + bm - 1 and not official:  # the official SFA visits masked tiles too
-                break
+        for j0, bn in _tiles(Tk, policy.block_n):
+            if vis.skips(i0, bm, j0, bn) and not official:  # the official SFA visits masked tiles too
+                continue
             kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
-            s = _scores(r, qi, kj, scale, causal, i0, j0)
+            s = _scores(r, qi, kj, scale, vis, i0, j0)
             # -- row statistics of this tile --
             tile_max = r.site("row_max", s.amax(-1, keepdim=True))
             if stats is not None:
@@ -222,10 +223,10 @@ def _probabilities(r: _Rounder, s, lse_i):
     return p.masked_fill(torch.isneginf(lse_i), 0.0)
 
 
-def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, causal):
+def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, vis: Visibility):
     """δ per row by the policy's formula."""
     policy = r.policy
-    T = q.shape[-2]
+    T, Tk = q.shape[-2], k.shape[-2]
     if policy.delta_formula == "do_o":
         # the products round at their own site only: a fused kernel (FA2, inductor) keeps dO*O in fp32
         terms = r.site("delta_terms", r.up(dout) * r.up(o_saved))
@@ -235,11 +236,11 @@ def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, causal):
     for i0, bm in _tiles(T, policy.block_m):
         qi, doi, lse_i = q[:, :, i0:i0 + bm], dout[:, :, i0:i0 + bm], lse[:, :, i0:i0 + bm]
         o_hp = torch.zeros(*qi.shape, dtype=torch.float64 if r.cd == torch.float64 else torch.float32, device=q.device)
-        for j0, bn in _tiles(T, policy.block_n):
-            if causal and j0 > i0 + bm - 1:
-                break
+        for j0, bn in _tiles(Tk, policy.block_n):
+            if vis.skips(i0, bm, j0, bn):
+                continue
             kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
-            p = _probabilities(r, _scores(r, qi, kj, scale, causal, i0, j0), lse_i)
+            p = _probabilities(r, _scores(r, qi, kj, scale, vis, i0, j0), lse_i)
             if policy.delta_formula == "dp_p":
                 dp = r.mm(doi, vj.transpose(-1, -2), "dp")
                 terms = r.site("delta_terms", r.ew(torch.mul, dp, p))
@@ -253,23 +254,24 @@ def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, causal):
 
 
 @_policy_rounds_alone
-def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool, policy: Precision):
+def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibility, policy: Precision):
     """Tiled backward (FlashAttention-2 Algorithm 2). Returns (dq, dk, dv) in the site formats."""
     r = _Rounder(policy, q.dtype)
+    vis = _visibility(causal, q, k)
     B, H, T, D = q.shape
-    delta = _delta(r, q, k, v, o_saved, lse, dout, scale, causal)
+    delta = _delta(r, q, k, v, o_saved, lse, dout, scale, vis)
     dq = torch.zeros(B, H, T, D, dtype=r.dtype("dq"), device=q.device)
-    dk = torch.zeros_like(dq, dtype=r.dtype("dk"))
-    dv = torch.zeros_like(dq, dtype=r.dtype("dv"))
-    for j0, bn in _tiles(T, policy.block_n):
+    dk = torch.zeros(*k.shape, dtype=r.dtype("dk"), device=q.device)
+    dv = torch.zeros(*v.shape, dtype=r.dtype("dv"), device=q.device)
+    for j0, bn in _tiles(k.shape[-2], policy.block_n):
         kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
         dk_j = dk[:, :, j0:j0 + bn]
         dv_j = dv[:, :, j0:j0 + bn]
         for i0, bm in _tiles(T, policy.block_m):
-            if causal and j0 > i0 + bm - 1:
+            if vis.skips(i0, bm, j0, bn):
                 continue
             qi, doi = q[:, :, i0:i0 + bm], dout[:, :, i0:i0 + bm]
-            s = _scores(r, qi, kj, scale, causal, i0, j0)
+            s = _scores(r, qi, kj, scale, vis, i0, j0)
             p = _probabilities(r, s, lse[:, :, i0:i0 + bm])
             p_op = r.site("p_operand", p)
             dv_j = r.site("dv", r.ew(torch.add, dv_j, r.mm(p_op.transpose(-1, -2), doi, "dv_part")))
@@ -344,7 +346,7 @@ def forward_and_delta(q, k, v, dout, *, scale: float | None = None, causal: bool
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy, stabilize=stabilize, stats=stats)
     r = _Rounder(policy, q.dtype)
-    delta = _delta(r, q, k, v, o_saved, lse, dout.to(out.dtype), scale, causal)
+    delta = _delta(r, q, k, v, o_saved, lse, dout.to(out.dtype), scale, _visibility(causal, q, k))
     return out, delta.squeeze(-1)
 
 
@@ -357,12 +359,13 @@ def backward_row_sums(q, k, v, *, scale: float | None = None, causal: bool = Tru
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     _, _, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy)
     r = _Rounder(policy, q.dtype)
+    vis = _visibility(causal, q, k)
     T = q.shape[-2]
     sums = torch.zeros(q.shape[:-1], dtype=torch.float64, device=q.device)
     for i0, bm in _tiles(T, policy.block_m):
-        for j0, bn in _tiles(T, policy.block_n):
-            if causal and j0 > i0 + bm - 1:
-                break
-            s = _scores(r, q[:, :, i0:i0 + bm], k[:, :, j0:j0 + bn], scale, causal, i0, j0)
+        for j0, bn in _tiles(k.shape[-2], policy.block_n):
+            if vis.skips(i0, bm, j0, bn):
+                continue
+            s = _scores(r, q[:, :, i0:i0 + bm], k[:, :, j0:j0 + bn], scale, vis, i0, j0)
             sums[:, :, i0:i0 + bm] += _probabilities(r, s, lse[:, :, i0:i0 + bm]).double().sum(-1)
     return sums

@@ -1,0 +1,69 @@
+"""Which keys each query sees: causal (aligned bottom-right, as flash-attn), a sliding window, key padding.
+
+Query i of Tq and key j of Tk are at distance d = j - (i + Tk - Tq): the causal mask hides d > 0, a window
+(left, right) hides d < -left and d > right (-1: unbounded), a key-padding mask (B, Tk; True = a real key) hides
+the padding. A query that sees no key gets O = 0 and zero gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class Visibility:
+    q_len: int
+    k_len: int
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    key_padding: torch.Tensor | None = None
+    """(B, Tk) bool, True where the key is real."""
+
+    @property
+    def offset(self) -> int:
+        return self.k_len - self.q_len
+
+    @property
+    def right(self) -> int | None:
+        """Largest visible distance j - (i + offset), or None when unbounded."""
+        if self.causal:
+            return 0 if self.window[1] < 0 else min(0, self.window[1])
+        return None if self.window[1] < 0 else self.window[1]
+
+    @property
+    def left(self) -> int | None:
+        return None if self.window[0] < 0 else self.window[0]
+
+    @property
+    def banded(self) -> bool:
+        """Whether causality or a window hides some keys (padding aside)."""
+        return self.right is not None or self.left is not None
+
+    def skips(self, i0: int, rows: int, j0: int, cols: int) -> bool:
+        """Whether the band hides the whole tile of queries i0.. and keys j0.. (padding not counted)."""
+        if self.right is not None and j0 - (i0 + rows - 1 + self.offset) > self.right:
+            return True
+        return self.left is not None and (j0 + cols - 1) - (i0 + self.offset) < -self.left
+
+    def hidden(self, i0: int, rows: int, j0: int, cols: int, device) -> torch.Tensor | None:
+        """True where the tile's key is hidden from its query: (rows, cols), or (B, 1, rows, cols) with padding;
+        None when nothing in the tile is hidden."""
+        mask = None
+        if self.banded:
+            i = torch.arange(i0, i0 + rows, device=device)[:, None]
+            j = torch.arange(j0, j0 + cols, device=device)[None, :]
+            distance = j - (i + self.offset)
+            mask = torch.zeros(rows, cols, dtype=torch.bool, device=device)
+            if self.right is not None:
+                mask |= distance > self.right
+            if self.left is not None:
+                mask |= distance < -self.left
+            if not mask.any():
+                mask = None
+        if self.key_padding is not None:
+            pad = ~self.key_padding[:, None, None, j0:j0 + cols].to(device)  # (B, 1, 1, cols)
+            if pad.any():
+                mask = pad if mask is None else mask | pad
+        return mask
