@@ -291,10 +291,14 @@ def valid_keys() -> list[str]:
 
 def unknown_key(key: str) -> str:
     """What to say of an unknown key: the closest valid ones, not all of them."""
-    close = difflib.get_close_matches(key, valid_keys(), n=3, cutoff=0.6)
+    name = key.rsplit(".", 1)[-1]
+    initials = "".join(word[:1] for word in name.split("_"))  # learning_rate -> lr
+    close = [k for k in valid_keys() if k.rsplit(".", 1)[-1] == initials and k.split(".")[0] == key.split(".")[0]]
+    close += [k for k in difflib.get_close_matches(key, valid_keys(), n=3, cutoff=0.6) if k not in close]
     if not close:  # a right key in the wrong section, or a typo of the key alone
         names = {k.split(".", 1)[1]: k for k in valid_keys()}
-        close = [names[n] for n in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(names), n=3, cutoff=0.6)]
+        close = [names[n] for n in difflib.get_close_matches(name, list(names), n=3, cutoff=0.6)]
+    close = close[:3]
     hint = f"did you mean {' or '.join(close)}?" if close else "`stableflash train --help` and configs/ show the keys"
     return f"unknown key {key!r}; {hint}"
 
