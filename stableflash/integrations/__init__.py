@@ -1,0 +1,1 @@
+"""Adapters to other people's code: `transformers` attention backends."""

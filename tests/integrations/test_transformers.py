@@ -1,0 +1,87 @@
+"""stableflash inside a `transformers` model: tiny Llama (GQA) and GPT-2 built in code, against `sdpa`."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig  # noqa: E402
+
+from stableflash.integrations.transformers import register  # noqa: E402
+
+CONFIGS = {
+    "llama-gqa": lambda: LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "gpt2": lambda: GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
+                               resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+}
+
+
+def _model(name, impl, seed=1):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=impl)
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("impl", ["stableflash", "stableflash_sfa"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_and_gradients_match_sdpa_with_padding(name, impl):
+    assert set(register()) == {"stableflash", "stableflash_sfa"}
+    seed = 0
+    print(f"seed {seed}")
+    ids = torch.randint(0, 97, (3, 19), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(3, 19, dtype=torch.long)
+    mask[1, 13:] = 0  # right padding
+    mask[2, :4] = 0  # left padding
+    real = mask.bool()
+    results = {}
+    for which in ("sdpa", impl):
+        model = _model(name, which)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits[real].float().square().mean().backward()
+        results[which] = logits.detach()[real], torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert _rel(results[impl][0], results["sdpa"][0]) < 1e-5
+    assert _rel(results[impl][1], results["sdpa"][1]) < 1e-4
+
+
+def test_packed_sequences_attend_within_each_sequence():
+    register()
+    lengths = [7, 5, 9]
+    ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = _model("llama-gqa", "stableflash")(input_ids=ids, position_ids=position_ids).logits[0]
+    alone = _model("llama-gqa", "sdpa")
+    start = 0
+    for n in lengths:
+        one = alone(input_ids=ids[:, start:start + n]).logits[0]
+        assert _rel(packed[start:start + n], one) < 1e-5
+        start += n
+
+
+def test_a_training_step_under_bf16_autocast_stays_close_to_sdpa():
+    register()
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(4))
+    losses = {}
+    for impl in ("sdpa", "stableflash_sfa"):
+        model = _model("llama-gqa", impl)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses[impl] = loss.item()
+    assert abs(losses["stableflash_sfa"] - losses["sdpa"]) < 2e-2 * losses["sdpa"]
+
+
+def test_unsupported_arguments_are_named():
+    register()
+    with pytest.raises(ValueError, match="dropout"):
+        model = _model("gpt2", "stableflash")
+        model.config.attn_pdrop = 0.5
+        for block in model.transformer.h:
+            block.attn.attn_dropout.p = 0.5
+            block.attn.attention_dropout = 0.5
+        model.train()(input_ids=torch.zeros(1, 5, dtype=torch.long))
