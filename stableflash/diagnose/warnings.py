@@ -14,12 +14,7 @@ from pathlib import Path
 from stableflash.diagnose.record import Record
 from stableflash.train.config import MonitorConfig, load_config
 from stableflash.train.demo import read_jsonl
-from stableflash.train.monitor import Monitor
-
-
-class _Shape:  # what Monitor's constructor reads of a model; the rules themselves take plain logs
-    def __init__(self, n_head):
-        self.config = type("C", (), {"n_head": n_head})
+from stableflash.train.monitor import HeadCount, Monitor
 
 
 @dataclass
@@ -116,7 +111,7 @@ def replay_warnings(run_dir: str | Path, cfg: MonitorConfig | None = None, *, bl
         cfg = run_cfg.monitor if run_cfg is not None else MonitorConfig()
     metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     monitor_log = read_jsonl(run_dir / "monitor.jsonl") if (run_dir / "monitor.jsonl").exists() else []
-    monitor = Monitor(cfg, _Shape(1), run_dir, enabled=False)
+    monitor = Monitor(cfg, HeadCount(1), run_dir, enabled=False)
     warnings = []
     for m in metrics:
         event = monitor.check_grad(m["step"], m["grad_norm"])

@@ -16,6 +16,7 @@ import torch
 
 from stableflash.attention import SFA, flash_attention
 from stableflash.attention.flash_attn import flash_attn_varlen_func
+from stableflash.integrations.watch import active_watch
 
 IMPLEMENTATIONS = {"stableflash": None, "stableflash_sfa": SFA()}
 
@@ -31,7 +32,7 @@ def _packed_offsets(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat([starts, torch.tensor([length], device=starts.device)]).to(torch.int32)
 
 
-def _make_forward(stabilize, precision: str = "fa2", backend: str = "auto"):
+def _make_forward(stabilize, precision_default: str = "fa2", backend: str = "auto"):
     def stableflash_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                                       scaling: float | None = None, is_causal: bool | None = None, **kwargs):
         """query (B, H, Tq, D), key and value (B, H_kv, Tk, D); returns ((B, Tq, H, D), None) as transformers
@@ -53,14 +54,20 @@ def _make_forward(stabilize, precision: str = "fa2", backend: str = "auto"):
             keep = attention_mask.bool()
             if keep.all():
                 keep = None
+        precision, stabilize_here, stats = precision_default, stabilize, None
+        watcher = active_watch()
+        if watcher is not None and getattr(module, "layer_idx", None) is not None:
+            precision, switched, stats = watcher.attention_for(module.layer_idx)
+            stabilize_here = switched or stabilize
         offsets = _packed_offsets(kwargs.get("position_ids")) if keep is None and query.shape[2] > 1 else None
         if offsets is not None and query.shape[2] == key.shape[2]:
             out = flash_attn_varlen_func(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                          offsets, offsets, query.shape[2], key.shape[2], softmax_scale=scaling,
-                                         causal=causal, precision=precision, stabilize=stabilize, backend=backend)
+                                         causal=causal, precision=precision, stabilize=stabilize_here, stats=stats,
+                                         backend=backend)
             return out[None], None
         out = flash_attention(query, key, value, causal=causal, scale=scaling, key_padding_mask=keep,
-                              stabilize=stabilize, precision=precision, backend=backend)
+                              stabilize=stabilize_here, precision=precision, stats=stats, backend=backend)
         return out.transpose(1, 2).contiguous(), None
 
     return stableflash_attention_forward

@@ -85,7 +85,17 @@ def scores_format(policy) -> Format | None:
     return coarsest if coarsest is not None and coarsest.fraction_bits < 23 else None
 
 
+class HeadCount:
+    """What the Monitor's constructor reads of a model, for rules run on logs or on a model that is not ours."""
+
+    def __init__(self, n_head: int):
+        self.config = type("Config", (), {"n_head": n_head})
+
+
 class Monitor:
+    """The early-warning rules and their memory; `observe` runs them on our GPT after a monitored step, `record` on
+    per-layer statistics from any model (`stableflash.watch`)."""
+
     def __init__(self, cfg, model, run_dir: Path, enabled: bool = True):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.enabled = enabled and cfg.interval > 0
@@ -207,18 +217,26 @@ class Monitor:
         return events
 
     def observe(self, step: int, model, loss: float) -> tuple[dict, list[dict]]:
-        """After a monitored step: one record and the early-warning events it raised."""
+        """After a monitored step of our GPT: one record (with W_Q/K/V/O spectral norms) and its events."""
         norms = self.spectral(model)
         stats = self._disarm(model)
         L, H = model.config.n_layer, self.n_head
-        record = {"step": step, "loss": loss,
-                  "spectral": {m: norms[m].view(L, H).tolist() for m in MATRICES}, "attention": stats}
+        spectral = {m: norms[m].view(L, H).tolist() for m in MATRICES}
+        formats = [scores_format(a.attention.precision) for a in model.attentions]
+        return self.record(step, loss, stats, formats, spectral)
+
+    def record(self, step: int, loss: float | None, stats: list[dict | None], formats: list[Format | None],
+               spectral: dict | None = None) -> tuple[dict, list[dict]]:
+        """The rules on one monitored step's per-layer statistics (`AttentionStats.to_dict()`, None where a layer
+        did not count) and scores formats: the record to log and the early-warning events it raised."""
+        record = {"step": step, "loss": loss, **({"spectral": spectral} if spectral is not None else {}),
+                  "attention": stats}
         events = []
         for layer, s in enumerate(stats):
             if s is None:
                 continue
             events += self.logit_events(step, layer, s["max_score"])
-            events += self.resolution_events(step, layer, s["max_score"],
-                                             scores_format(model.attentions[layer].attention.precision))
-            events += self.repeated_max_events(step, layer, s, wq_norms=record["spectral"]["q"][layer])
+            events += self.resolution_events(step, layer, s["max_score"], formats[layer])
+            events += self.repeated_max_events(step, layer, s,
+                                               wq_norms=spectral["q"][layer] if spectral is not None else None)
         return record, events
