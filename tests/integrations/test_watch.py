@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _counted(w, layer, rows, repeated):
     _, _, stats = w.attention_for(layer)
     heads = w.num_heads
-    stats.add(slice(None), rows=rows, repeated_max_rows=torch.full((heads,), repeated), pbar_ones=torch.zeros(heads, dtype=torch.long),
-              max_score=torch.ones(heads))
+    stats.add(slice(None), rows=rows, repeated_max_rows=torch.full((heads,), repeated),
+              pbar_ones=torch.zeros(heads, dtype=torch.long), max_score=torch.ones(heads))
 
 
 def test_a_jump_of_repeated_maxima_warns_and_switches_the_layer(tmp_path):
