@@ -14,7 +14,7 @@ def _qkv(*shape, dtype=torch.float32):
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda q, k, v: flash_attention(q[0], k[0], v[0]), ValueError, "q: expected rank 4"),
-    (lambda q, k, v: flash_attention(q, k[:, :, :5], v), ValueError, "k: shape"),
+    (lambda q, k, v: flash_attention(q, k[:, :, :5], v), ValueError, "v: shape"),  # keys of another length: fine, not v
     (lambda q, k, v: flash_attention(q, k, v.double()), TypeError, "v: dtype"),
     (lambda q, k, v: flash_attention(q.int(), k, v), TypeError, "q: expected dtype"),
     (lambda q, k, v: flash_attention(q, k, v, backend="cuda-magic"), ValueError, "backend: expected one of"),
