@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 EMBEDDED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "shakespeare.txt.xz"
-DATASETS = ("shakespeare-char", "openwebtext")
+DATASETS = ("shakespeare-char", "debian-docs", "openwebtext")
 
 
 def write_memmaps(token_chunks: Iterable[np.ndarray], out_dir: Path, val_fraction: float, meta: dict) -> dict:
@@ -94,6 +94,9 @@ def prepare(dataset: str, data_dir: Path, num_docs: int | None = None) -> dict:
         return prepare_embedded(out_dir)
     if dataset == "openwebtext":
         return prepare_openwebtext(out_dir, num_docs)
+    if dataset == "debian-docs":
+        from stableflash.train.corpus import prepare_debian_docs
+        return prepare_debian_docs(out_dir)
     raise ValueError(f"dataset: expected one of {DATASETS}, got {dataset!r}")
 
 

@@ -26,3 +26,35 @@ def test_batches_are_a_pure_function_of_seed_and_step():
     assert np.array_equal(a, batch_offsets(1, 5, 8, 64, 10_000))
     assert not np.array_equal(a, batch_offsets(1, 6, 8, 64, 10_000))
     assert not np.array_equal(a, batch_offsets(2, 5, 8, 64, 10_000))
+
+
+def test_debian_docs_corpus_on_a_small_slice(tmp_path):
+    """The corpus builder's own code on a few files of each kind the packages ship (HTML, reST, POD, man)."""
+    import gzip
+
+    pytest.importorskip("tokenizers")
+    from stableflash.train.corpus import EOT, documents, prepare_corpus, text_of
+    from stableflash.train.data import TokenData
+
+    root = tmp_path / "pkg"
+    (root / "html").mkdir(parents=True)
+    words = "The quick brown fox jumps over the lazy dog while the attention heads count their ties. " * 8
+    (root / "html" / "a.html").write_text(f"<html><head><title>x</title><script>var no;</script></head>"
+                                          f"<body><nav>menu</nav><p>{words}</p></body></html>")
+    (root / "html" / "print.html").write_text(f"<p>{words}</p>")  # a whole-book repeat: left out
+    (root / "b.rst.txt").write_text(f"Title\n=====\n\n{words}\n")
+    (root / "c.pod").write_text(f"=head1 NAME\n\n{words}\n")
+    (root / "d.2.gz").write_bytes(gzip.compress(f'.TH D 2\n.\\" a comment\n.SH NAME\n\\fBd\\fP \\- {words}\n'.encode()))
+    assert "menu" not in text_of(root / "html" / "a.html") and "var no" not in text_of(root / "html" / "a.html")
+    assert "comment" not in text_of(root / "d.2.gz") and text_of(root / "d.2.gz").startswith("NAME\nd - The quick")
+    docs = list(documents(root, ("html/*.html", "*.rst.txt", "*.pod", "*.gz")))
+    assert len(docs) == 4
+    meta = prepare_corpus(docs * 5, tmp_path / "out", vocab_size=300, name="slice", val_fraction=0.1)
+    data = TokenData(tmp_path, "out")
+    tokens = np.concatenate([np.asarray(data.splits[s]) for s in ("train", "val")])
+    assert data.vocab_size == meta["vocab_size"] <= 300
+    assert (tokens == meta["eot"]).sum() == 20  # one end-of-text after each document
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    first = tokens[: int(np.argmax(tokens == meta["eot"]))]
+    assert tokenizer.decode(first.tolist()) == docs[0] and tokenizer.token_to_id(EOT) == meta["eot"]
