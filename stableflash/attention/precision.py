@@ -66,9 +66,9 @@ SITES = {
     "dq": "dQ accumulator",
 }
 FORWARD_SITES = tuple(SITES)[:tuple(SITES).index("lse") + 1]
+BACKWARD_SITES = tuple(SITES)[len(FORWARD_SITES):]
 PV_PATH = ("pbar_operand", "pv", "acc_scaled", "acc")
 """The sites of P̄V and the accumulator it feeds: where the seed places the biased rounding."""
-BACKWARD_SITES = tuple(SITES)[len(FORWARD_SITES):]
 
 
 _BY_CACHE_KEY: dict[str, Precision] = {}

@@ -81,8 +81,9 @@ def cpu_threads(cfg: TrainConfig) -> int:
 
 def claim_run_folder(run_dir: Path, *, resume: bool, overwrite: bool = False):
     """Lock `run_dir` for this process (released when it exits, a SIGKILL included) and check it fits the call: a
-    new run needs a folder without a run in it (or `overwrite`, which removes that run's files), `resume` one with
-    a checkpoint. Removes temporary files a killed save left behind. Returns the open lock file."""
+    new run needs a folder without a run in it, or `overwrite`, which removes that run's files (a resume then finds
+    its checkpoint, or says it has none). Removes temporary files a killed save left behind. Returns the open lock
+    file."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(run_dir / LOCK, "a+")  # noqa: SIM115 (held open for the run's lifetime)
     try:
