@@ -15,7 +15,7 @@ the policy says, and a forward whose log-sum-exp came from bf16 scores would not
 match the backward's recomputed ones (gradient errors of ~4% under the `fp32` policy).
 
 Numerical edge cases:
-- causal masking and -inf scores give P = 0; a row whose scores are all -inf
+- masked keys (causal, a window, padding) and -inf scores give P = 0; a row whose scores are all -inf
   (no visible key) gets O = 0 and lse = -inf, and zero gradients;
 - NaN in q, k or v, or +inf scores, propagate to NaN in the rows they touch,
   as in plain softmax attention.

@@ -248,3 +248,13 @@ def test_backward_probabilities_sum_to_the_ties_when_lse_is_rounded_onto_the_max
         assert backward_row_sums(q, k, v, policy=PRESETS[name], **kw).sub(1).abs().max().item() < 0.02, name
     q, k, v = (torch.randn(1, 2, 33, 16, dtype=torch.float64) for _ in range(3))  # small logits, causal
     assert backward_row_sums(q, k, v, policy=PRESETS["fp64"]).sub(1).abs().max().item() < 1e-12
+
+
+def test_the_docs_table_is_the_presets():
+    """docs/precision.md's preset table, row by row, against PRESETS (so the docs cannot drift)."""
+    docs = (ROOT / "docs/precision.md").read_text()
+    header = next(line for line in docs.splitlines() if line.startswith("| site | what |"))
+    names = [cell.strip() for cell in header.strip("|").split("|")[2:]]
+    assert set(names) == set(PRESETS), names
+    for site, what in SITES.items():
+        assert f"| {site} | {what} | " + " | ".join(getattr(PRESETS[n], site) for n in names) + " |" in docs, site
