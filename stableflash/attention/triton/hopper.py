@@ -310,7 +310,7 @@ class Choice(NamedTuple):
 # TFLOP/s from a CUDA graph, causal bf16, against our Triton forward in the same run (benchmarks/gluon_forward.py
 # --sweep; results/kernel-variants/gluon-*, RESULTS.md) at T = 4096: D = 128 pingpong 1.07x plain, 1.14x with SFA +
 # statistics; D = 64 FA3's order on 8 warps 1.05x plain, 0.94x with SFA + statistics. Across two benchmark runs
-# (7a1def2 and 693ebc9, cuDNN within 2% in both): +16% plain at (1,16,16384,128), but -14% at (16,12,1024,64).
+# (cuDNN within 2% in both): +16% plain at (1,16,16384,128), but -14% at (16,12,1024,64).
 # Below 4096 no same-run comparison exists, so the Triton forward stays there.
 FORWARD_TILES: dict[tuple[int, bool], Choice | None] = {
     (64, False): Choice(Tile(128, 64, 4, 8, heavy_first=True), 4096),

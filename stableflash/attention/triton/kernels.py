@@ -236,7 +236,7 @@ def _fwd_native_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, strid
 
     Scores are scaled (and rounded: `_mul_rn`) before their maximum, so the row's maximum gives exp2(0) = 1 exactly.
     FA2's CUDA kernel folds the scale into the exponent's FFMA, exp2(fma(qk, scale, -m)), as Triton's FMA contraction
-    also did here in unmasked tiles until 2026-11-30: NaN at scores of ~2^31 and more (docs/kernel-notes.md)."""
+    once did here in unmasked tiles: NaN at scores of ~2^31 and more (docs/kernel-notes.md)."""
     s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, MASKED,
                 False, False, 0, 0, TMA)
     if STATS or STAB == 1:
