@@ -166,8 +166,10 @@ def flash_attention(
 
     extended = (k.shape[1] != q.shape[1] or k.shape[-2] != q.shape[-2] or key_padding_mask is not None
                 or (window is not None and tuple(window) != (-1, -1)))
+    # only the extended calls build a mask description: the plain ones, the fused kernels' eager calls among them,
+    # keep their host path as it was
     vis = Visibility(q.shape[-2], k.shape[-2], causal=causal, window=tuple(window or (-1, -1)),
-                     key_padding=key_padding_mask)
+                     key_padding=key_padding_mask) if extended else None
     if backend == "auto":
         backend = "reference"
         if not extended and triton_available(q) and _triton_supports(policy.cache_key, cache_key(stabilize), q.dtype):
@@ -184,7 +186,7 @@ def flash_attention(
         if policy.cache_key != resolve("fa2").cache_key:
             raise ValueError(f"precision: backend {backend!r} has fixed numerics; use backend='reference' or 'triton'")
         if backend == "math":
-            return _math_attention(q, k, v, scale, vis, stats)
+            return _math_attention(q, k, v, scale, vis or Visibility(q.shape[-2], k.shape[-2], causal=causal), stats)
         if stats is not None:
             raise ValueError("stats: backend 'sdpa' cannot count; use 'math', 'reference' or 'triton'")
         if extended:
@@ -200,7 +202,7 @@ def flash_attention(
         from stableflash.attention import triton as triton_backend
         return triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy,
                                         stabilize=stabilize, stats=stats)
-    return reference_attention(q, k, v, scale=scale, causal=vis if extended else causal, policy=policy,
+    return reference_attention(q, k, v, scale=scale, causal=vis or causal, policy=policy,
                                stabilize=stabilize, stats=stats)
 
 
