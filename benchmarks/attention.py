@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from common import parse_shapes, run_meta  # benchmarks/common.py: the script's own folder is on sys.path
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stableflash import SFA, AttentionStats, flash_attention
-from stableflash.attention.triton import ops
-from stableflash.attention.triton.picks import TILE_PICKS
-from stableflash.benchmarking import parse_shapes, run_meta
+from stableflash.attention import triton as kernels
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
@@ -119,10 +118,10 @@ def main():
         "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed",
         "fwdbwd_tflops_cudagraph": "forward+backward replayed from a CUDA graph: device time, no host work",
         # on sm_90 our native forward is the Gluon kernel where `hopper.FORWARD_TILES` has a tile
-        "gluon_forward": ops.hopper is not None and ops.HOPPER_FORWARD and ops._is_hopper(torch.cuda.current_device())}
+        "gluon_forward": kernels.options.current().hopper_forward and torch.cuda.get_device_capability() == (9, 0)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # which tile the autotuner picked for each launch of our kernels (key: kernel, candidates, T, dtype, switches)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "tile_picks": TILE_PICKS.state_dict()}, indent=2))
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "tile_picks": kernels.tile_picks_state_dict()}, indent=2))
     print_summary(rows)
 
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 from attention import SHAPES, implementations, measure  # benchmarks/ is the script's own folder
-
-from stableflash.benchmarking import parse_shapes, run_meta
+from common import parse_shapes, run_meta  # benchmarks/common.py
 
 IMPLS = ("stableflash", "stableflash-sfa", "stableflash-sfa-stats", "sdpa-flash")
 # (name, impl a, impl b, how a is read against b: `compare`)

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+from common import commit  # benchmarks/common.py: the script's own folder is on sys.path
 
-from stableflash.benchmarking import commit
 from stableflash.train.checkpoint import load_checkpoint
 from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl

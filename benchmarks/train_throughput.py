@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+from common import run_meta  # benchmarks/common.py: the script's own folder is on sys.path
 
-from stableflash.attention.triton import ops
-from stableflash.benchmarking import run_meta
 from stableflash.train.config import load_config
 from stableflash.train.data import ensure_embedded
 from stableflash.train.demo import read_jsonl
@@ -41,14 +40,9 @@ SETTINGS = {
     "triton-fa2-sfa": ["attention.backend=triton", "attention.precision=fa2", "attention.stabilize=sfa"],
     "triton-paper": ["attention.backend=triton", "attention.precision=paper"],
 }
-OPAQUE = "-opaque"
-"""Suffix of a triton setting: under torch.compile keep the kernels opaque to inductor (`ops.TRACEABLE = False`)."""
-
-
 def _apply_setting(name: str) -> list[str]:
-    """The setting's config overrides; sets `ops.TRACEABLE` for it (read when the model is compiled)."""
-    ops.TRACEABLE = not name.endswith(OPAQUE)
-    return SETTINGS[name.removesuffix(OPAQUE)]
+    """The setting's config overrides."""
+    return SETTINGS[name]
 
 
 def main():

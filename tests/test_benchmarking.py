@@ -1,9 +1,14 @@
+"""The benchmarks' shared pieces (benchmarks/common.py) and the cost study's arithmetic, on any machine."""
+
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from stableflash.benchmarking import commit, parse_shapes, run_meta
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the scripts import each other's folder as they do when run
+from common import commit, parse_shapes, run_meta  # noqa: E402
 
 
 def test_shapes_parse_from_the_command_line_or_default():
@@ -21,7 +26,6 @@ def test_the_commit_is_the_environments_then_the_checkouts(monkeypatch):
 
 
 def test_feature_cost_compares_per_round(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import feature_cost
 
     # a feature that takes 1.03 ms where the kernel without it takes 1.00 costs 2.9% of the throughput

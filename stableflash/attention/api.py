@@ -9,10 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from stableflash.attention.mask import Visibility
-from stableflash.attention.precision import Precision, from_cache_key, resolve
+from stableflash.attention.precision import Precision, resolve
 from stableflash.attention.reference import reference_attention
-from stableflash.attention.stabilize import cache_key, check_stabilize
-from stableflash.attention.stabilize import from_cache_key as stabilizer_from_cache_key
+from stableflash.attention.stabilize import check_stabilize
 from stableflash.attention.stats import AttentionStats
 
 BACKENDS = ("auto", "reference", "triton", "math", "sdpa")
@@ -172,7 +171,7 @@ def flash_attention(
                      key_padding=key_padding_mask) if extended else None
     if backend == "auto":
         backend = "reference"
-        if not extended and triton_available(q) and _triton_supports(policy.cache_key, cache_key(stabilize), q.dtype):
+        if not extended and triton_available(q) and _triton_supports(policy, stabilize, q.dtype):
             backend = "triton"
     if extended:
         if backend == "triton":
@@ -182,8 +181,7 @@ def flash_attention(
     if backend in ("math", "sdpa"):
         if stabilize is not None:
             raise ValueError(f"stabilize: backend {backend!r} computes plain softmax; use backend='reference' or 'triton'")
-        # by value: a policy unpickled from a checkpoint is equal to the preset, not the same object
-        if policy.cache_key != resolve("fa2").cache_key:
+        if policy != resolve("fa2"):
             raise ValueError(f"precision: backend {backend!r} has fixed numerics; use backend='reference' or 'triton'")
         if backend == "math":
             return _math_attention(q, k, v, scale, vis or Visibility(q.shape[-2], k.shape[-2], causal=causal), stats)
@@ -207,7 +205,7 @@ def flash_attention(
 
 
 @torch.compiler.assume_constant_result
-def _triton_supports(policy_key: str, stabilize_key: str | None, dtype: torch.dtype) -> bool:
-    """By string keys, so that torch.compile evaluates it once at trace time (see triton._kernel_key)."""
+def _triton_supports(policy: Precision, stabilize, dtype: torch.dtype) -> bool:
+    """Under torch.compile evaluated once, at trace time: its result is a constant of the graph."""
     from stableflash.attention import triton as triton_backend
-    return triton_backend.supports_policy(from_cache_key(policy_key), stabilizer_from_cache_key(stabilize_key), dtype)
+    return triton_backend.supports_policy(policy, stabilize, dtype)

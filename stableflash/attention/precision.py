@@ -71,14 +71,6 @@ PV_PATH = ("pbar_operand", "pv", "acc_scaled", "acc")
 """The sites of P̄V and the accumulator it feeds: where the seed places the biased rounding."""
 
 
-_BY_CACHE_KEY: dict[str, Precision] = {}
-
-
-def from_cache_key(key: str) -> Precision:
-    """The policy whose `cache_key` is `key` (every Precision registers itself on construction)."""
-    return _BY_CACHE_KEY[key]
-
-
 @dataclass(frozen=True)
 class Precision:
     """Format of every rounding site of tiled flash attention, plus tiling and knobs.
@@ -136,15 +128,18 @@ class Precision:
 
     def __post_init__(self):
         self._validate()
-        # a plain-string identity, so compiled code can name a policy without tracing the dataclass
-        object.__setattr__(self, "cache_key", repr(self))
-        _BY_CACHE_KEY.setdefault(self.cache_key, self)
 
-    def __setstate__(self, state):
-        """Unpickled (or deep-copied) policies register their key too: checkpoints store policies."""
-        self.__dict__.update(state)
-        self.__dict__.setdefault("cache_key", repr(self))
-        _BY_CACHE_KEY.setdefault(self.cache_key, self)
+    def __hash__(self):
+        # computed once: the kernels' registry and caches hash the policy on every eager call
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self):
+        # string hashes differ between processes: a pickled hash would be wrong in the next one
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def _validate(self):
         for site in (*SITES, "compute"):
@@ -236,6 +231,50 @@ class Precision:
     def with_heads(self, heads, policy: str | Precision) -> Precision:
         """Compute the given head indices with `policy` (e.g. per-head fp32)."""
         return self.replace(name=f"{self.name}+heads{sorted(heads)}", head_override=(tuple(sorted(heads)), resolve(policy)))
+
+    @classmethod
+    def from_config(cls, cfg) -> Precision:
+        """The policy an attention config describes (`stableflash.train.config.AttentionConfig`, or any object
+        with its fields): a preset, then its knobs in a fixed order. Validated here, once; a ValueError names the
+        config's field (`attention.precision`, `attention.sites.qk`, ...)."""
+        def preset(name: str, value: str) -> Precision:
+            if value not in PRESETS:
+                either = "'' or " if name.endswith("_precision") and name != "head_precision" else ""
+                raise ValueError(f"attention.{name}: expected {either}one of {sorted(PRESETS)}, got {value!r}")
+            return PRESETS[value]
+
+        policy = preset("precision", cfg.precision)
+        if not cfg.tiling:
+            policy = policy.tiling_off()
+        if cfg.delta != "do_o":
+            if cfg.delta not in DELTA_FORMULAS:
+                raise ValueError(f"attention.delta: expected one of {DELTA_FORMULAS}, got {cfg.delta!r}")
+            policy = policy.with_delta(cfg.delta)
+        if cfg.pv_fp32:
+            policy = policy.with_pv_fp32()
+        if cfg.o_fp32:
+            policy = policy.with_o_fp32()
+        for which in ("forward", "backward"):
+            other = getattr(cfg, f"{which}_precision")
+            if other:
+                policy = policy.with_pass_of(which, preset(f"{which}_precision", other))
+        if cfg.sites:
+            if not isinstance(cfg.sites, dict):
+                raise ValueError(f"attention.sites: expected a table of site = format, got {cfg.sites!r}")
+            for site, fmt in cfg.sites.items():
+                if site not in SITES:
+                    raise ValueError(f"attention.sites: unknown site {site!r}; sites: {list(SITES)}")
+                try:
+                    if fmt != "input":
+                        get_format(fmt)
+                except ValueError:
+                    raise ValueError(f"attention.sites.{site}: expected 'input' or a format name like 'fp32', "
+                                     f"got {fmt!r}") from None
+            policy = policy.with_sites(**cfg.sites)
+        head_policy = preset("head_precision", cfg.head_precision)
+        if cfg.heads:
+            policy = policy.with_heads(set(cfg.heads), head_policy)
+        return policy
 
     def describe(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "head_override"}

@@ -15,33 +15,9 @@ import torch
 from stableflash.numerics.formats import Format
 from stableflash.numerics.rounding import round_to
 
-_BY_CACHE_KEY: dict = {None: None}
-
-
-def _register(stabilizer) -> None:
-    """Give a stabilizer a plain-string identity (`cache_key`), so compiled code can name it cheaply."""
-    object.__setattr__(stabilizer, "cache_key", repr(stabilizer))
-    _BY_CACHE_KEY.setdefault(stabilizer.cache_key, stabilizer)
-
-
-class _Registered:
-    """Unpickled (or deep-copied) stabilizers register their key too: checkpoints store them."""
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        _register(self)
-
-
-def cache_key(stabilize) -> str | None:
-    return None if stabilize is None else stabilize.cache_key
-
-
-def from_cache_key(key: str | None):
-    return _BY_CACHE_KEY[key]
-
 
 @dataclass(frozen=True)
-class SFA(_Registered):
+class SFA:
     """Stabilized flash attention's modified safe softmax (the seed's Algorithm 3).
 
     Per tile: rm = rowmax(S), rs = rowsum(rm - S <= eps);
@@ -80,7 +56,6 @@ class SFA(_Registered):
             raise ValueError(f"SFA.max_shift: expected a number > 0, got {self.max_shift!r}")
         if self.official_rule and self.bounded:
             raise ValueError("SFA.official_rule: the official rule is unbounded; use SFA.official() or bounded=False")
-        _register(self)
 
     @classmethod
     def official(cls, beta: float = 2.0, eps: float = 1e-3) -> SFA:
@@ -113,7 +88,7 @@ class SFA(_Registered):
 
 
 @dataclass(frozen=True)
-class ClampPbar(_Registered):
+class ClampPbar:
     """Control for the seed's Limitation 4: keep m = rm (same temperature) but clamp
     P̄ to the largest value below 1 of its format, so no entry is exactly 1.
 
@@ -124,7 +99,6 @@ class ClampPbar(_Registered):
     def __post_init__(self):
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
             raise ValueError(f"ClampPbar.eps: expected a number >= 0, got {self.eps!r}")
-        _register(self)
 
     @staticmethod
     def ceiling(pbar_format: Format) -> float:
@@ -132,6 +106,24 @@ class ClampPbar(_Registered):
 
 
 Stabilizer = SFA | ClampPbar
+
+
+STABILIZERS = ("none", "sfa", "sfa-bounded", "sfa-unbounded", "clamp")
+"""The names a config gives a stabilizer: `sfa` is the paper's code's rule (`SFA.official()`, reference backend),
+`sfa-bounded` ours (in the kernels too), `sfa-unbounded` the rule as written, `clamp` the ClampPbar control."""
+
+
+def from_config(cfg) -> SFA | ClampPbar | None:
+    """The stabilizer an attention config names (`stabilize`, with `sfa_beta` and `sfa_eps`)."""
+    if cfg.stabilize not in STABILIZERS:
+        raise ValueError(f"attention.stabilize: expected one of {'|'.join(STABILIZERS)}, got {cfg.stabilize!r}")
+    return {
+        "none": lambda: None,
+        "sfa": lambda: SFA.official(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
+        "sfa-bounded": lambda: SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
+        "sfa-unbounded": lambda: SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps, bounded=False),
+        "clamp": lambda: ClampPbar(eps=cfg.sfa_eps),
+    }[cfg.stabilize]()
 
 
 def check_stabilize(stabilize) -> Stabilizer | None:

@@ -126,7 +126,7 @@ def _largest_wq_heads(cfg, checkpoint: Path | None, layer: int, count: int = 2) 
     from stableflash.model.gpt import GPT
 
     torch.manual_seed(cfg.run.seed)
-    model = GPT(cfg.model, cfg.attention)
+    model = GPT(cfg.model, cfg.attention.resolve(cfg.model.n_layer))
     if checkpoint is not None:
         model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["model"])
     attn = model.attentions[layer]

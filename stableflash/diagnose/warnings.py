@@ -51,10 +51,9 @@ def blowup_step(losses: list[tuple[int, float]], margin: float = 1.0, *, after: 
 def _layer_scores_formats(cfg) -> list:
     """Each layer's scores format as the run's config sets it (a monitor action that switched a layer
     mid-run is not followed)."""
-    from stableflash.model.gpt import LayerAttention
     from stableflash.train.monitor import scores_format
 
-    return [scores_format(LayerAttention.from_config(cfg.attention.for_layer(i)).precision) for i in range(cfg.model.n_layer)]
+    return [scores_format(cfg.attention.layer_attention(i).precision) for i in range(cfg.model.n_layer)]
 
 
 def _run_config(run_dir: Path):

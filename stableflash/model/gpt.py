@@ -9,6 +9,7 @@ QK-norm, QK-clip (Kimi's post-step rescaling of W_q and W_k), gated attention.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stableflash.attention import SFA, AttentionStats, ClampPbar, flash_attention
-from stableflash.attention.precision import PRESETS, Precision
+from stableflash.attention.precision import Precision
 
 PRESET_SHAPES = {
     "gpt2s": dict(n_layer=12, n_head=12, n_embd=768),
@@ -28,44 +29,11 @@ PRESET_SHAPES = {
 
 @dataclass(frozen=True)
 class LayerAttention:
-    """Resolved attention of one layer: what `flash_attention` is called with."""
+    """One layer's attention, a plain record: what `flash_attention` is called with."""
 
     backend: str
     precision: Precision
     stabilize: SFA | ClampPbar | None
-
-    @classmethod
-    def from_config(cls, cfg) -> LayerAttention:
-        policy = PRESETS[cfg.precision]
-        if not cfg.tiling:
-            policy = policy.tiling_off()
-        if cfg.delta != "do_o":
-            policy = policy.with_delta(cfg.delta)
-        if cfg.pv_fp32:
-            policy = policy.with_pv_fp32()
-        if cfg.o_fp32:
-            policy = policy.with_o_fp32()
-        for which in ("forward", "backward"):
-            if getattr(cfg, f"{which}_precision"):
-                policy = policy.with_pass_of(which, getattr(cfg, f"{which}_precision"))
-        if cfg.sites:
-            policy = policy.with_sites(**cfg.sites)
-        if cfg.heads:
-            policy = policy.with_heads(set(cfg.heads), cfg.head_precision)
-        stabilize = {
-            "none": None,
-            "sfa": SFA.official(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
-            "sfa-bounded": SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
-            "sfa-unbounded": SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps, bounded=False),
-            "clamp": ClampPbar(eps=cfg.sfa_eps),
-        }[cfg.stabilize]
-        backend = cfg.backend
-        if backend in ("sdpa", "math") and (stabilize is not None or cfg.precision != "fa2" or cfg.heads
-                                             or not cfg.tiling or cfg.delta != "do_o" or cfg.pv_fp32 or cfg.o_fp32
-                                             or cfg.forward_precision or cfg.backward_precision or cfg.sites):
-            raise ValueError(f"attention: backend {backend!r} has fixed numerics; precision/stabilize/knobs need "
-                             "backend 'reference', 'triton' or 'auto'")
-        return cls(backend, policy, stabilize)
 
     def describe(self) -> str:
         stab = "" if self.stabilize is None else f"+{type(self.stabilize).__name__}"
@@ -154,16 +122,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2. `attention_cfg.for_layer(i)` gives layer i's attention."""
+    """GPT-2 with each layer's attention as given (`AttentionConfig.resolve(n_layer)` builds them from a config)."""
 
-    def __init__(self, cfg, attention_cfg):
+    def __init__(self, cfg, attentions: Sequence[LayerAttention]):
         super().__init__()
+        if len(attentions) != cfg.n_layer:
+            raise ValueError(f"attentions: expected one per layer ({cfg.n_layer}), got {len(attentions)}")
         self.config = cfg
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            h=nn.ModuleList(Block(cfg, LayerAttention.from_config(attention_cfg.for_layer(i)))
-                            for i in range(cfg.n_layer)),
+            h=nn.ModuleList(Block(cfg, attention) for attention in attentions),
             ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

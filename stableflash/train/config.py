@@ -13,14 +13,17 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+if TYPE_CHECKING:
+    from stableflash.model.gpt import LayerAttention
+
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # package data: a wheel install has the presets
-STABILIZERS = ("none", "sfa", "sfa-bounded", "sfa-unbounded", "clamp")
 
 
 @dataclass(frozen=True)
@@ -104,33 +107,9 @@ class AttentionConfig:
 
     def __post_init__(self):
         from stableflash.attention.api import BACKENDS
-        from stableflash.attention.precision import DELTA_FORMULAS, PRESETS, SITES
-        from stableflash.numerics.formats import get_format
 
         if self.backend not in BACKENDS:
             raise ValueError(f"attention.backend: expected one of {BACKENDS}, got {self.backend!r}")
-        if self.precision not in PRESETS:
-            raise ValueError(f"attention.precision: expected one of {sorted(PRESETS)}, got {self.precision!r}")
-        for name in ("forward_precision", "backward_precision"):
-            if getattr(self, name) not in ("", *PRESETS):
-                raise ValueError(f"attention.{name}: expected '' or one of {sorted(PRESETS)}, got {getattr(self, name)!r}")
-        if not isinstance(self.sites, dict):
-            raise ValueError(f"attention.sites: expected a table of site = format, got {self.sites!r}")
-        for site, fmt in self.sites.items():
-            if site not in SITES:
-                raise ValueError(f"attention.sites: unknown site {site!r}; sites: {list(SITES)}")
-            if fmt != "input":
-                try:
-                    get_format(fmt)
-                except ValueError:
-                    raise ValueError(f"attention.sites.{site}: expected 'input' or a format name like 'fp32', "
-                                     f"got {fmt!r}") from None
-        if self.head_precision not in PRESETS:
-            raise ValueError(f"attention.head_precision: expected one of {sorted(PRESETS)}, got {self.head_precision!r}")
-        if self.stabilize not in STABILIZERS:
-            raise ValueError(f"attention.stabilize: expected one of {'|'.join(STABILIZERS)}, got {self.stabilize!r}")
-        if self.delta not in DELTA_FORMULAS:
-            raise ValueError(f"attention.delta: expected one of {DELTA_FORMULAS}, got {self.delta!r}")
         object.__setattr__(self, "heads", tuple(int(h) for h in self.heads))
         normalized = {str(k): {**t, **({"heads": tuple(int(h) for h in t["heads"])} if "heads" in t else {})}
                       for k, t in self.layers.items()}
@@ -143,10 +122,31 @@ class AttentionConfig:
             if unknown:
                 raise ValueError(f"attention.layers.{layer}: unknown keys {sorted(unknown)}; valid: {sorted(valid)}")
 
+        self.layer_attention(None)  # the policy and stabilizer, validated where they are built
+        for layer in self.layers:
+            self.for_layer(int(layer))
+
     def for_layer(self, layer: int) -> AttentionConfig:
-        """This config with layer `layer`'s overrides applied (and no per-layer table)."""
+        """This config with layer `layer`'s overrides applied (and no per-layer table); validated."""
         table = self.layers.get(str(layer), {})
         return dataclasses.replace(self, layers={}, **table)
+
+    def layer_attention(self, layer: int | None) -> LayerAttention:
+        """What layer `layer` (None: a layer without overrides) calls `flash_attention` with."""
+        from stableflash.attention import stabilize as stabilizers
+        from stableflash.attention.precision import PRESETS, Precision
+        from stableflash.model.gpt import LayerAttention
+
+        cfg = self if layer is None else self.for_layer(layer)
+        policy, stabilize = Precision.from_config(cfg), stabilizers.from_config(cfg)
+        if cfg.backend in ("sdpa", "math") and (stabilize is not None or policy != PRESETS["fa2"]):
+            raise ValueError(f"attention: backend {cfg.backend!r} has fixed numerics; precision/stabilize/knobs need "
+                             "backend 'reference', 'triton' or 'auto'")
+        return LayerAttention(cfg.backend, policy, stabilize)
+
+    def resolve(self, n_layer: int) -> list[LayerAttention]:
+        """Every layer's attention, for `GPT`."""
+        return [self.layer_attention(i) for i in range(n_layer)]
 
 
 @dataclass(frozen=True)

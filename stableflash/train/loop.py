@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stableflash.model.gpt import GPT, LayerAttention
+from stableflash.model.gpt import GPT
 from stableflash.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from stableflash.train.config import AttentionConfig, TrainConfig
 from stableflash.train.data import ReplayLog, TokenData, batch_offsets, ensure_embedded, gather
@@ -130,12 +130,12 @@ def _provenance(cfg: TrainConfig, device: torch.device) -> dict:
     return info
 
 
-def _tile_picks():
-    """The fused attention's autotuner picks (`TILE_PICKS`), or None where Triton is not installed."""
+def _kernels():
+    """The fused attention's public seam (`stableflash.attention.triton`), or None where Triton is not installed."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from stableflash.attention.triton.picks import TILE_PICKS
-    return TILE_PICKS
+    from stableflash.attention import triton as kernels
+    return kernels
 
 
 class Trainer:
@@ -159,7 +159,9 @@ class Trainer:
         self.data = ensure_embedded(cfg.data.data_dir) if embedded else TokenData(cfg.data.data_dir, cfg.data.dataset)
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's {self.data.vocab_size}")
-        self.model = GPT(cfg.model, cfg.attention).to(self.device)
+        # each layer's attention config: what checkpoints keep, and what the monitor's switches replace
+        self.layer_configs = [cfg.attention.for_layer(i) for i in range(cfg.model.n_layer)]
+        self.model = GPT(cfg.model, [c.layer_attention(None) for c in self.layer_configs]).to(self.device)
         self.ddp = None
         if self.world > 1:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
@@ -197,8 +199,8 @@ class Trainer:
         return {"step": self.step, "model": self.model.state_dict(),
                 "optimizers": [o.state_dict() for o in self.optimizers], "rng": rng_state(),
                 "data_cursor": {"next_step": self.step, "seed": self.cfg.run.seed},
-                "attention": [a.attention for a in self.model.attentions], "config": self.cfg.to_dict(),
-                "tile_picks": picks.state_dict() if (picks := _tile_picks()) is not None else [],
+                "attention": [dataclasses.asdict(c) for c in self.layer_configs], "config": self.cfg.to_dict(),
+                "tile_picks": kernels.tile_picks_state_dict() if (kernels := _kernels()) is not None else [],
                 "monitor": self.monitor.state_dict()}
 
     def save(self) -> None:
@@ -222,14 +224,21 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         for opt, s in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(s)
-        for attn, layer_attention in zip(self.model.attentions, state.get("attention", [])):
-            attn.attention = layer_attention
+        for layer, saved_attention in enumerate(state.get("attention", [])):
+            if isinstance(saved_attention, dict):
+                self.layer_configs[layer] = AttentionConfig(**saved_attention)
+                self.model.set_layer_attention(layer, self.layer_configs[layer].layer_attention(None))
+            else:  # checkpoints of earlier versions pickled the layer's attention itself
+                self.model.set_layer_attention(layer, saved_attention)
         set_rng_state(state["rng"])
         if "monitor" in state:
             self.monitor.load_state_dict(state["monitor"])
-        if state.get("tile_picks") and _tile_picks() is not None:
-            from stableflash.attention.triton.ops import pin_tiles
-            pin_tiles(state["tile_picks"])
+        if state.get("tile_picks") and _kernels() is not None:
+            left_out = _kernels().load_tile_picks(state["tile_picks"])
+            if left_out:
+                message = (f"{left_out} of the checkpoint's tile picks are for kernels this version does not have: "
+                           "those launches autotune again, so the continuation may differ in its last bits")
+                print(f"stableflash train: warning: {message}", file=sys.stderr)
         self.step = state["step"]
         # drop log lines of steps after the checkpoint: they are recomputed, bit for bit
         for name in ("metrics.jsonl", "monitor.jsonl", "events.jsonl"):
@@ -259,28 +268,19 @@ class Trainer:
         and another tile gives other last bits. Under DDP every rank takes rank 0's picks. Called again when the
         monitor switches a layer's attention (launches that have a pick then only run, they are not autotuned).
         Only on a GPU with Triton installed."""
-        if self.device.type != "cuda" or _tile_picks() is None:
+        kernels = _kernels()
+        if self.device.type != "cuda" or kernels is None:
             return
-        from stableflash.attention import stabilize as stab_module
-        from stableflash.attention import triton as triton_attention
-        from stableflash.attention.triton.ops import pin_tiles
-
         m = self.cfg.model
         shape = (self.cfg.data.batch_size, m.n_head, m.block_size, m.n_embd // m.n_head)
         dtype = torch.bfloat16 if self.cfg.run.dtype == "bf16" else torch.float32
-        seen = set()
-        for layer in self.model.attentions:
-            a = layer.attention
-            key = (a.precision.cache_key, stab_module.cache_key(a.stabilize))
-            if (a.backend in ("auto", "triton") and key not in seen and shape[-1] in triton_attention.HEAD_DIMS
-                    and triton_attention.supports_policy(a.precision, a.stabilize, dtype)):
-                seen.add(key)
-                triton_attention.pick_tiles(shape, precision=a.precision, stabilize=a.stabilize, dtype=dtype,
-                                            device=self.device)
+        for a in dict.fromkeys(layer.attention for layer in self.model.attentions if layer.attention.backend
+                               in ("auto", "triton")):
+            kernels.pick_tiles(shape, precision=a.precision, stabilize=a.stabilize, dtype=dtype, device=self.device)
         if self.world > 1:
-            state = [_tile_picks().state_dict() if self.is_main else None]
+            state = [kernels.tile_picks_state_dict() if self.is_main else None]
             dist.broadcast_object_list(state, src=0)
-            pin_tiles(state[0])
+            kernels.load_tile_picks(state[0])
 
     # -- data -----------------------------------------------------------------------
 
@@ -383,13 +383,14 @@ class Trainer:
         base = dataclasses.replace(self.cfg.attention.for_layer(layer),
                                    backend="reference" if current.backend in ("sdpa", "math") else current.backend)
         if action in ("sfa", "rollback"):
-            new = LayerAttention.from_config(dataclasses.replace(base, stabilize="sfa-bounded"))  # runs in the kernels
+            switched = dataclasses.replace(base, stabilize="sfa-bounded")  # runs in the kernels
         else:
             # fp32 attention as such: the rounding knobs of the replaced policy mean nothing at fp32
-            new = LayerAttention.from_config(AttentionConfig(backend=base.backend, precision="fp32", tiling=base.tiling,
-                                                             delta=base.delta))
+            switched = AttentionConfig(backend=base.backend, precision="fp32", tiling=base.tiling, delta=base.delta)
         if action == "rollback" and (self.run_dir / "checkpoint.pt").exists():
             self._load()
+        self.layer_configs[layer] = switched
+        new = switched.layer_attention(None)
         self.model.set_layer_attention(layer, new)
         self._pick_attention_tiles()  # the new attention's tiles, picked eagerly and kept like the others
         self._log("events.jsonl", {"step": self.step, "kind": "action", "action": action, "layer": layer,

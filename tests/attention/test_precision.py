@@ -1,23 +1,41 @@
-"""Precision policies and stabilizers as plain-string keys (how the fused backend names them)."""
+"""Precision policies: hashing, knobs, and the config's one path to a policy."""
 
 import pickle
+import subprocess
+import sys
 
 import pytest
 
-from stableflash.attention import precision, stabilize
-from stableflash.attention.precision import resolve
+from stableflash.attention.precision import PRESETS, Precision, resolve
 from stableflash.attention.stabilize import SFA
 
 
-def test_unpickled_policies_and_stabilizers_are_found_by_their_keys():
-    # the fused backend names them by `cache_key`; a policy restored from a checkpoint must resolve too
+def test_policies_hash_by_value_also_after_a_pickle_from_another_process():
+    """The kernels' registry keys on the policy itself; its hash is cached, so a pickle must not carry it (string
+    hashes differ between processes)."""
     policy = resolve("paper").with_pv_fp32().replace(block_m=256)
-    sfa = SFA(beta=3.0)
-    blobs = pickle.dumps(policy), pickle.dumps(sfa)
-    del precision._BY_CACHE_KEY[policy.cache_key], stabilize._BY_CACHE_KEY[sfa.cache_key]  # as in a new process
-    restored, restored_sfa = (pickle.loads(b) for b in blobs)
-    assert precision.from_cache_key(restored.cache_key) == policy
-    assert stabilize.from_cache_key(restored_sfa.cache_key) == sfa
+    code = ("import pickle, sys; from stableflash.attention.precision import resolve; "
+            "p = resolve('paper').with_pv_fp32().replace(block_m=256); hash(p); sys.stdout.buffer.write(pickle.dumps(p))")
+    blob = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout
+    restored = pickle.loads(blob)
+    assert restored == policy and hash(restored) == hash(policy) and {policy: 1}[restored] == 1
+    assert hash(pickle.loads(pickle.dumps(SFA(beta=3.0)))) == hash(SFA(beta=3.0))
+
+
+def test_a_config_gives_the_policy_its_knobs_describe():
+    from stableflash.train.config import AttentionConfig
+
+    cfg = AttentionConfig(precision="paper", pv_fp32=True, delta="dp_p", sites={"qk": "fp32"}, heads=(1,))
+    policy = Precision.from_config(cfg)
+    assert policy.name == "paper+delta=dp_p+pv32+qk=fp32+heads[1]"
+    assert (policy.pv, policy.delta_formula, policy.qk, policy.head_override[0]) == ("fp32", "dp_p", "fp32", (1,))
+    assert Precision.from_config(AttentionConfig()) is PRESETS["fa2"]
+    with pytest.raises(ValueError, match=r"attention.sites.qk: expected 'input' or a format name"):
+        AttentionConfig(sites={"qk": "fp31"})
+    with pytest.raises(ValueError, match=r"attention.layers.1: unknown keys"):
+        AttentionConfig(layers={"1": {"precison": "paper"}})
+    with pytest.raises(ValueError, match=r"attention.precision: expected one of"):
+        AttentionConfig(layers={"1": {"precision": "papr"}})
 
 
 def test_one_pass_takes_another_presets_formats():

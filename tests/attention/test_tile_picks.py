@@ -10,12 +10,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from stableflash.attention import triton as kernels  # noqa: E402
 from stableflash.attention.precision import resolve  # noqa: E402
-from stableflash.attention.triton import ops  # noqa: E402
-from stableflash.attention.triton.picks import TILE_PICKS, TilePicks  # noqa: E402
-from stableflash.attention.triton.spec import build_spec  # noqa: E402
+from stableflash.attention.triton import launch, tuning  # noqa: E402
+from stableflash.attention.triton.spec import spec_name  # noqa: E402
+from stableflash.attention.triton.tuning import TILE_PICKS, TilePicks  # noqa: E402
 
-pytestmark = pytest.mark.skipif(ops._fwd is None, reason="the interpreter has no autotuner")
+pytestmark = pytest.mark.skipif(tuning.NATIVE_FWD.pointers is None, reason="the interpreter has no autotuner")
 
 
 @pytest.fixture(autouse=True)
@@ -27,43 +28,53 @@ def empty_picks():
     TILE_PICKS.load_state_dict(saved)
 
 
-def recorded_launches(head_dim=64, T=100):
-    """The forward's and backward's launches for fa2 numerics, as (tuned, plain, grid, args, meta) tuples."""
-    key = ops.register_spec(build_spec(resolve("fa2"), None, torch.bfloat16, T))
+def recorded_launches(monkeypatch, head_dim=64, T=100):
+    """The forward's and backward's tuned launches for fa2 numerics, as dicts of `_run_tuned`'s arguments."""
     launches = []
-    record = lambda tuned, plain, grid, *args, config=None, **meta: launches.append((tuned, plain, grid, args, meta))  # noqa: E731
-    q, k, v, dout = (torch.randn(2, 3, T, head_dim, dtype=torch.bfloat16) for _ in range(4))
-    out, _, lse, _, _ = ops.forward(q, k, v, True, 0.25, key, False, 1e-3, launch=record)
-    ops.backward(dout, q, k, v, out, lse, True, 0.25, key, launch=record)
+
+    def record(tunable, grid, args, meta, **kw):
+        launches.append(dict(tunable=tunable, grid=grid, args=args, meta=meta, **kw))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(launch, "_run_tuned", record)
+        name = spec_name(resolve("fa2"), None, torch.bfloat16, head_dim, T)
+        q, k, v, dout = (torch.randn(2, 3, T, head_dim, dtype=torch.bfloat16) for _ in range(4))
+        out, _, lse, _, _ = launch.forward(q, k, v, True, 0.25, name, False, 1e-3)
+        launch.backward(dout, q, k, v, out, lse, True, 0.25, name)
     return launches
+
+
+def _key(launched, **changes):
+    r = {**launched, **changes}
+    return launch.pick_key(r["tunable"], r["T"], r["dtype"], r["meta"], r["either"])
 
 
 def test_picks_survive_a_round_trip_through_json():
     picks = TilePicks()
-    key = TilePicks.key("_attn_fwd", "either", 1000, torch.bfloat16, {"CAUSAL": True, "BETA": 0.5, "R_QK": 3})
-    picks.record(key, ops._cfg(128, 64, 8, 3))
+    key = TilePicks.key("attn_fwd", "either", 1000, torch.bfloat16, {"CAUSAL": True, "BETA": 0.5, "STAB": 1})
+    picks.record(key, tuning.config(128, 64, 8, 3))
     again = TilePicks()
-    again.load_state_dict(json.loads(json.dumps(picks.state_dict())))
+    assert again.load_state_dict(json.loads(json.dumps(picks.state_dict()))) == 0
     config = again.get(key)
     assert (config.kwargs, config.num_warps, config.num_stages) == ({"BLOCK_M": 128, "BLOCK_N": 64}, 8, 3)
 
 
-def test_a_pick_is_keyed_like_the_autotuners_cache():
-    (tuned, plain, _, args, meta), *_ = recorded_launches()
-    key = ops._pick_key(tuned, plain, args, meta)
-    assert key[:4] == ("_attn_fwd", "pointers", 100, "torch.bfloat16")
-    assert ops._pick_key(tuned, plain, args, {**meta, "CAUSAL": False}) != key  # another specialisation
-    (_, _, _, longer, _), *_ = recorded_launches(T=101)
-    assert ops._pick_key(tuned, plain, longer, meta) != key
-    assert ops._pick_key(None, plain, args, meta) is None  # a launch with a fixed tile is not autotuned
+def test_a_pick_is_keyed_like_the_autotuners_cache(monkeypatch):
+    fwd, dq, dkdv = recorded_launches(monkeypatch)
+    assert [r["tunable"] for r in (fwd, dq, dkdv)] == [tuning.NATIVE_FWD, tuning.NATIVE_DQ, tuning.NATIVE_DKDV]
+    key = _key(fwd)
+    assert key[:4] == ("attn_fwd", "pointers", 100, "torch.bfloat16")
+    assert _key(fwd, meta={**fwd["meta"], "CAUSAL": False}) != key  # another specialisation
+    assert _key(recorded_launches(monkeypatch, T=101)[0]) != key
+    assert _key(fwd, T=object()) is None  # a symbolic T (traced): no pick, inductor autotunes
     # at D = 128 the candidates include TMA loads: another candidate list, another pick
-    (tuned128, plain128, _, args128, meta128), *_ = recorded_launches(head_dim=128)
-    assert tuned128 is ops._fwd_either and ops._pick_key(tuned128, plain128, args128, meta128)[1] == "either"
+    wide = recorded_launches(monkeypatch, head_dim=128)[0]
+    assert wide["either"] and _key(wide)[1] == "either"
 
 
 def test_a_traced_launch_takes_the_pick_as_a_fixed_tile(monkeypatch):
-    """Under torch.compile a picked launch goes to inductor as the plain kernel with the pick's tile, which
-    inductor does not autotune again; without a pick, as the autotuner (inductor autotunes it)."""
+    """Under torch.compile a picked launch goes to inductor as the plain kernel with the pick's tile, which inductor
+    does not autotune again; without a pick, as the autotuner (inductor autotunes it)."""
     traced = []
 
     class Recorder:
@@ -73,27 +84,46 @@ def test_a_traced_launch_takes_the_pick_as_a_fixed_tile(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: traced.append((self.fn, kwargs))
 
-    monkeypatch.setattr(ops, "wrap_triton", Recorder)
-    for tuned, plain, grid, args, meta in recorded_launches():
-        ops._traced_launch(tuned, plain, grid, *args, **meta)
-    assert [fn for fn, _ in traced] == [ops._fwd, ops._dq, ops._dkdv]
+    launches = recorded_launches(monkeypatch)
+    monkeypatch.setattr(launch, "wrap_triton", Recorder)
+    for r in launches:
+        launch._run_tuned(r["tunable"], r["grid"], r["args"], r["meta"], T=r["T"], dtype=r["dtype"],
+                          either=r["either"], traced=True)
+    assert [fn for fn, _ in traced] == [r["tunable"].pointers for r in launches]
 
     traced.clear()
-    launches = recorded_launches()
-    picks = [ops._cfg(64, 64, 4, 3), ops._cfg(128, 32, 4, 5), ops._cfg(32, 128, 4, 5)]
-    for (tuned, plain, _, args, meta), pick in zip(launches, picks):
-        TILE_PICKS.record(ops._pick_key(tuned, plain, args, meta), pick)
-    for tuned, plain, grid, args, meta in launches:
-        ops._traced_launch(tuned, plain, grid, *args, **meta)
-    assert [fn for fn, _ in traced] == [plain for _, plain, *_ in launches]
+    picks = [tuning.config(64, 64, 4, 3, TMA=False), tuning.config(128, 32, 4, 5, TMA=False),
+             tuning.config(32, 128, 4, 5, TMA=False)]
+    for r, pick in zip(launches, picks):
+        TILE_PICKS.record(_key(r), pick)
+        launch._run_tuned(r["tunable"], r["grid"], r["args"], r["meta"], T=r["T"], dtype=r["dtype"],
+                          either=r["either"], traced=True)
+    assert [fn for fn, _ in traced] == [r["tunable"].kernel for r in launches]
     for (_, kwargs), pick in zip(traced, picks):
         assert {k: kwargs[k] for k in pick.kwargs} == pick.kwargs
         assert (kwargs["num_warps"], kwargs["num_stages"]) == (pick.num_warps, pick.num_stages)
 
 
-def test_pinning_replaces_the_picks_and_forgets_cached_launches():
-    key = TilePicks.key("_attn_fwd", "pointers", 64, torch.bfloat16, {})
-    TILE_PICKS.record(key, ops._cfg(128, 64, 8, 3))
-    ops._launches.cache["stale"] = None
-    ops.pin_tiles([{"key": list(key), "kwargs": {"BLOCK_M": 64, "BLOCK_N": 64}, "num_warps": 4, "num_stages": 3}])
-    assert TILE_PICKS.get(key).kwargs == {"BLOCK_M": 64, "BLOCK_N": 64} and "stale" not in ops._launches.cache
+def test_loading_replaces_the_picks_and_leaves_out_other_versions_kernels():
+    key = TilePicks.key("attn_fwd", "pointers", 64, torch.bfloat16, {})
+    TILE_PICKS.record(key, tuning.config(128, 64, 8, 3))
+    old = TilePicks.key("_attn_fwd", "pointers", 64, torch.bfloat16, {"EMU": False})  # an earlier version's kernel
+    state = [{"key": list(key), "kwargs": {"BLOCK_M": 64, "BLOCK_N": 64}, "num_warps": 4, "num_stages": 3},
+             {"key": list(old), "kwargs": {"BLOCK_M": 64, "BLOCK_N": 64}, "num_warps": 4, "num_stages": 3}]
+    assert kernels.load_tile_picks(state) == 1
+    assert TILE_PICKS.get(key).kwargs == {"BLOCK_M": 64, "BLOCK_N": 64} and TILE_PICKS.get(old) is None
+    assert kernels.tile_picks_state_dict() == state[:1]
+
+
+def test_tma_streamable_needs_16_byte_aligned_rows():
+    """TMA descriptors need 16-byte aligned bases and strides: a model's heads qualify, a misaligned view does not
+    (the launch then keeps pointer loads rather than letting the autotuner pick TMA)."""
+    B, T, H, D = 2, 77, 3, 128
+    qkv = torch.randn(B, T, 3 * H * D, dtype=torch.bfloat16)
+    heads = [t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2)]
+    assert launch.tma_streamable(*heads)
+    assert launch.tma_streamable(torch.randn(B, H, T, D, dtype=torch.bfloat16))
+    shifted = torch.randn(B * H * T * D + 1, dtype=torch.bfloat16)[1:].view(B, H, T, D)  # base 2 bytes past 16
+    assert not launch.tma_streamable(shifted)
+    odd_rows = torch.randn(B, H, T, D + 4, dtype=torch.bfloat16)[..., :D]  # row stride 264 bytes
+    assert not launch.tma_streamable(odd_rows)

@@ -55,7 +55,7 @@ def test_model_delta_errors_per_layer_and_head(tiny, tmp_path):
 
     cfg = tiny()
     torch.manual_seed(0)
-    model = GPT(cfg.model, cfg.attention)
+    model = GPT(cfg.model, cfg.attention.resolve(cfg.model.n_layer))
     x = torch.randint(0, 256, (2, cfg.model.block_size))
     errors = model_delta_errors(model, x, torch.roll(x, -1, 1), "paper", "fp64")
     assert len(errors.layers) == cfg.model.n_layer

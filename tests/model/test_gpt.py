@@ -7,7 +7,7 @@ from stableflash.train.config import load_config
 
 def _model(*overrides):
     cfg = load_config("tiny-cpu", list(overrides))
-    return GPT(cfg.model, cfg.attention), cfg
+    return GPT(cfg.model, cfg.attention.resolve(cfg.model.n_layer)), cfg
 
 
 def test_per_layer_and_per_head_attention():

@@ -65,9 +65,9 @@ def test_checkpoints_keep_the_attention_tile_picks(tmp_path, tiny):
     """The fused attention's autotuner picks go into every checkpoint and are pinned again on resume (on a GPU the
     trainer makes them before the first step; here one is planted)."""
     pytest.importorskip("triton")
-    from stableflash.attention.triton.picks import TILE_PICKS, TilePicks
+    from stableflash.attention.triton.tuning import TILE_PICKS, TilePicks
 
-    key = TilePicks.key("_attn_fwd", "pointers", 64, torch.bfloat16, {"CAUSAL": True})
+    key = TilePicks.key("attn_fwd", "pointers", 64, torch.bfloat16, {"CAUSAL": True})
     saved = TILE_PICKS.state_dict()
     try:
         TILE_PICKS.clear()
@@ -90,8 +90,8 @@ def test_fa2_resume_on_the_gpu_launches_the_checkpointed_tiles(tmp_path, tiny):
     its own picks. The resume runs as a fresh process would (no picks, no cached launches or autotuner results) and
     with every picked tile taken out of the autotuner's candidates: only the checkpoint's picks can then give the
     same bits. Compiled, so the picks must also reach inductor."""
-    from stableflash.attention.triton import ops
-    from stableflash.attention.triton.picks import TILE_PICKS
+    from stableflash.attention.triton import tuning
+    from stableflash.attention.triton.tuning import TILE_PICKS
 
     gpu = ("run.device=cuda", "run.checkpoint_interval=0", "attention.backend=triton", "attention.precision=fa2",
            "run.compile=true", "model.n_embd=128", "model.n_head=2", "model.block_size=256")  # tiles that differ
@@ -101,11 +101,11 @@ def test_fa2_resume_on_the_gpu_launches_the_checkpointed_tiles(tmp_path, tiny):
     picked = {(tuple(sorted(p["kwargs"].items())), p["num_warps"], p["num_stages"])
               for p in load_checkpoint(split)["tile_picks"]}
     assert picked
-    tuners = [ops._fwd, ops._dkdv, ops._dq, ops._fwd_either, ops._dkdv_either, ops._dq_either]
+    tuners = [t for tunable in (tuning.NATIVE_FWD, tuning.NATIVE_DQ, tuning.NATIVE_DKDV)
+              for t in (tunable.pointers, tunable.either)]
     saved = [t.configs for t in tuners]
     try:
         TILE_PICKS.clear()
-        ops._launches.cache.clear()
         torch._dynamo.reset()
         for t in tuners:
             t.cache.clear()

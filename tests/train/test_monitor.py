@@ -7,7 +7,7 @@ from stableflash.train.monitor import Monitor, SpectralNorms, head_matrices
 
 def _model():
     cfg = load_config("tiny-cpu")
-    return GPT(cfg.model, cfg.attention)
+    return GPT(cfg.model, cfg.attention.resolve(cfg.model.n_layer))
 
 
 def test_power_iteration_matches_svd_per_head():

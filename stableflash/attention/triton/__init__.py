@@ -1,25 +1,29 @@
 """Fused Triton flash attention: the `backend="triton"` of `flash_attention`.
 
-`attention(...)` runs the forward and backward kernels of `kernels.py` (eagerly through
-an `autograd.Function`; under `torch.compile` through `torch.library` ops, see `ops.py`),
-with the numerics of a `Precision` (`spec.py`), SFA or ClampPbar, and optional
-in-kernel statistics.
+Layout:
+- `spec.py`: what a `Precision` and stabilizer make the kernels compile (the one registry of specialisations);
+- `native.py`: production FA2 numerics, the fast path; `hopper.py`: its forward in Gluon on sm_90;
+- `emulation.py`: every rounding site of any supported policy, bit-equal to the reference;
+- `common.py`: helpers both share; `tuning.py`: autotuning and the tile picks; `options.py`: the user's switches;
+- `launch.py`: allocation and launches; `ops.py`: the autograd Function and the `torch.library` ops.
+
+Public here: `attention`, `supports`, `supports_policy`, `pick_tiles`, the tile picks' `tile_picks_state_dict` /
+`load_tile_picks` (what a checkpoint keeps), and `KernelOptions` / `kernel_options` / `set_kernel_options`.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from stableflash.attention import precision as precision_module
 from stableflash.attention import stabilize as stab_module
-from stableflash.attention.precision import Precision
+from stableflash.attention.precision import Precision, resolve
 from stableflash.attention.reference import split_heads
 from stableflash.attention.stats import AttentionStats
-from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, build_spec, unsupported_reason
+from stableflash.attention.triton.options import KernelOptions, kernel_options, set_kernel_options
+from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, spec_name, unsupported_reason
 
-__all__ = ["attention", "supports", "supports_policy", "pick_tiles", "HEAD_DIMS"]
+__all__ = ["attention", "supports", "supports_policy", "pick_tiles", "tile_picks_state_dict", "load_tile_picks",
+           "HEAD_DIMS", "KernelOptions", "kernel_options", "set_kernel_options"]
 
 
 def supports(q: torch.Tensor) -> bool:
@@ -28,25 +32,37 @@ def supports(q: torch.Tensor) -> bool:
 
 
 def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether the kernels emulate `policy` (and, with a head override, the other heads' policy)."""
-    if policy.head_override is not None:
-        other = policy.head_override[1]
-        return supports_policy(policy.replace(head_override=None), stabilize, dtype) and supports_policy(
-            other, stabilize, dtype)
+    """Whether the kernels run `policy` (and, with a head override, the other heads' policy) with `stabilize`."""
     return unsupported_reason(policy, stabilize, dtype) is None
+
+
+def tile_picks_state_dict() -> list[dict]:
+    """The autotuner's picks so far, as plain data: what a checkpoint keeps so that a resumed run launches the same
+    tiles (another tile sums in another order)."""
+    from stableflash.attention.triton.tuning import TILE_PICKS
+    return TILE_PICKS.state_dict()
+
+
+def load_tile_picks(state: list[dict]) -> int:
+    """Launch the tiles of `state` (a `tile_picks_state_dict()`) instead of autotuning; returns how many picks were
+    left out as not this version's kernels'."""
+    from stableflash.attention.triton.tuning import TILE_PICKS
+    return TILE_PICKS.load_state_dict(state)
 
 
 def pick_tiles(shape: tuple[int, int, int, int], *, precision="fa2", stabilize=None, dtype=torch.bfloat16,
                device="cuda") -> int:
     """Autotune the kernels eagerly for causal attention of `shape` (B, H, T, D) under `precision` and `stabilize`:
     the forward with and without statistics, and the backward, on random inputs laid out as a model's heads
-    ((B, T, H, D) in memory). The picks land in `picks.TILE_PICKS`, where every later launch takes them, a
-    torch.compile'd one as a fixed tile, and checkpoints keep them. The global RNG is left untouched. Returns how
-    many picks `TILE_PICKS` holds."""
+    ((B, T, H, D) in memory). Every later launch takes these picks, a torch.compile'd one as a fixed tile. Shapes
+    and policies the kernels do not run are left alone. The global RNG is left untouched. Returns how many picks
+    are held."""
     from stableflash.attention.api import flash_attention
-    from stableflash.attention.triton.picks import TILE_PICKS
+    from stableflash.attention.triton.tuning import TILE_PICKS
 
     B, H, T, D = shape
+    if D not in HEAD_DIMS or not supports_policy(resolve(precision), stabilize, dtype):
+        return len(TILE_PICKS)
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, dtype=dtype, device=device, generator=generator).transpose(1, 2)
                .requires_grad_() for _ in range(3))
@@ -61,7 +77,7 @@ def pick_tiles(shape: tuple[int, int, int, int], *, precision="fa2", stabilize=N
 def check(q: torch.Tensor, policy: Precision, stabilize) -> None:
     """Raise a ValueError naming the argument the kernels cannot take."""
     for pol in (policy.replace(head_override=None), *([policy.head_override[1]] if policy.head_override else [])):
-        _kernel_key(pol.cache_key, stab_module.cache_key(stabilize), q.dtype, q.shape[-1], q.shape[-2])
+        spec_name(pol, stabilize, q.dtype, q.shape[-1], q.shape[-2])
 
 
 def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabilize=None,
@@ -71,39 +87,15 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
         q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads))
 
 
-@torch.compiler.assume_constant_result
-def _kernel_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
-    """The kernels' specialisation for these arguments (validated, built and registered once).
-
-    Takes the policy and stabilizer by their string keys: under torch.compile this runs once at
-    trace time and its result is a constant of the graph."""
-    return _cached_key(policy_key, stabilize_key, dtype, head_dim, seq_len)
-
-
-@functools.lru_cache(maxsize=1024)
-def _cached_key(policy_key, stabilize_key, dtype, head_dim, seq_len):
-    from stableflash.attention.triton import ops
-
-    policy = precision_module.from_cache_key(policy_key)
-    stabilize = stab_module.from_cache_key(stabilize_key)
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"q: the triton backend supports head dims {HEAD_DIMS}, got {head_dim}")
-    reason = unsupported_reason(policy, stabilize, dtype)
-    if reason is not None:
-        raise ValueError(f"precision: the triton backend cannot run policy {policy.name!r}: {reason}; "
-                         "use backend='reference'")
-    return ops.register_spec(build_spec(policy, stabilize, dtype, seq_len))
-
-
 def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
-    from stableflash.attention.triton import ops
+    from stableflash.attention.triton import launch, ops
 
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
     _, H, T, D = q.shape
-    key = _kernel_key(policy.cache_key, stab_module.cache_key(stabilize), q.dtype, D, T)
-    args = (q, k, v, causal, float(scale), key, stats is not None, float(stats.eps) if stats is not None else 0.0)
+    name = spec_name(policy, stabilize, q.dtype, D, T)
+    args = (q, k, v, causal, float(scale), name, stats is not None, float(stats.eps) if stats is not None else 0.0)
     if torch.compiler.is_compiling():  # functional ops: the counts come back, added to `stats` below
         out, _, _, counts, smax = ops.compiled_forward_op()(*args)
     elif stats is None:
@@ -113,7 +105,7 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
         targets = stats.kernel_targets(heads, q.device)
         if targets is not None:
             return ops.FlashAttention.apply(*args, targets)
-        counts, smax = ops.fresh_stat_targets(H, q.device)
+        counts, smax = launch.fresh_stat_targets(H, q.device)
         out = ops.FlashAttention.apply(*args, (counts, smax))
     if stats is not None:
         stats.add(heads, rows=counts[:, 2], repeated_max_rows=counts[:, 0], pbar_ones=counts[:, 1], max_score=smax)

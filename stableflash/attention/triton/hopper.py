@@ -8,11 +8,11 @@ computing warps or by a loader warp of their own (`gl.warp_specialize`). With `T
 two warpgroups of 64 rows, 240 registers each, that take turns to issue their matmuls through two mbarriers, so one's
 softmax runs under the other's matmuls (FA3's inter-warpgroup schedule).
 
-Production FA2 numerics only, with or without SFA and the statistics, exactly as `kernels._fwd_native_tile` computes
-them per key tile (its `_top2` pair reduction, `_sfa_max`, guarded P̄ = 1 count and `_shift` of rows that have seen
-no finite score); emulated presets stay in Triton. Causal or not, any T (TMA zero-fills rows past T; columns past T
-are masked), head dims 64 and 128, bf16 and fp16, 16-byte aligned rows (one device-side descriptor per head).
-`ops.forward` launches it on sm_90 where `FORWARD_TILES` has a tile (benchmarks/gluon_forward.py measured them).
+Production FA2 numerics only, with or without SFA and the statistics, exactly as `native._fwd_tile` computes them
+per key tile (the `common.top2` pair reduction, `common.sfa_max`, the guarded P̄ = 1 count and `common.shift` of rows
+that have seen no finite score); emulated presets stay in Triton. Causal or not, any T (TMA zero-fills rows past T;
+columns past T are masked), head dims 64 and 128, bf16 and fp16, 16-byte aligned rows (one device-side descriptor per head).
+`launch.forward` launches it on sm_90 where `FORWARD_TILES` has a tile (research/gluon_forward.py measured them).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from stableflash.attention.triton import kernels
+from stableflash.attention.triton import common
 from stableflash.attention.triton.spec import LOG2E
 
 _LOG2E = gl.constexpr(LOG2E)
@@ -61,7 +61,7 @@ def _softmax_step(s, m_i, l_i, repeated, ones, smax, j, rows, mask_from, T, qk_s
     if STAB == 1 or STATS:
         # neighbouring columns paired first (a pair's top two are its max and min): 3 min/max per score, not 4
         a, b = gl.split(gl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
-        rm, r2 = gl.reduce((gl.maximum(a, b), gl.minimum(a, b)), 1, kernels._top2)
+        rm, r2 = gl.reduce((gl.maximum(a, b), gl.minimum(a, b)), 1, common.top2)
         rows_layout: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)  # the same rows, named as the other row vectors
         rm = gl.convert_layout(rm, rows_layout, assert_trivial=True)
         r2 = gl.convert_layout(r2, rows_layout, assert_trivial=True)
@@ -71,16 +71,16 @@ def _softmax_step(s, m_i, l_i, repeated, ones, smax, j, rows, mask_from, T, qk_s
             smax = gl.maximum(smax, gl.where(rm < float("inf"), rm, float("-inf")))
             repeated = gl.maximum(repeated, near_row.to(gl.int32))
         if STAB == 1:
-            rm = kernels._sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
+            rm = common.sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
     else:
         rm = gl.max(s, 1)
     m_new = gl.maximum(m_i, rm)
-    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # `kernels._shift`: no finite score yet gives 0, not NaN
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # `common.shift`: no finite score yet gives 0, not NaN
     alpha = gl.exp2(m_i - m_shift)
     p = gl.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     p_op = p.to(DTYPE)
-    if STATS:  # per score only on tiles where some row's second largest score is near the shift (see kernels.py)
+    if STATS:  # per score only on tiles where some row's second largest score is near the shift (see native.py)
         if gl.max((r2 >= m_shift - 0.01).to(gl.int32), 0) > 0:
             ones += gl.sum((p_op == 1.0).to(gl.int32), 1)
         else:
@@ -180,10 +180,10 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
     o_ptrs = O + o_base + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :]
     gl.store(o_ptrs, o.to(dtype), mask=o_rows[:, None] < T)
     gl.store(LSE + bh.to(gl.int64) * T + rows, gl.where(empty, float("-inf"), m_i + gl.log2(l_i)), mask=rows < T)
-    if STATS:  # one reduction over the rows (padding rows left out), then relaxed atomics, as in kernels.py
+    if STATS:  # one reduction over the rows (padding rows left out), then relaxed atomics, as in native.py
         row_ok = rows < T
         n_repeated, n_ones, row_max = gl.reduce((gl.where(row_ok, repeated, 0), gl.where(row_ok, ones, 0),
-                                                 gl.where(row_ok, smax, float("-inf"))), 0, kernels._stats_combine)
+                                                 gl.where(row_ok, smax, float("-inf"))), 0, common.stats_combine)
         gl.atomic_add(STAT_COUNTS + h * 3, n_repeated.to(gl.int64), sem="relaxed")
         gl.atomic_add(STAT_COUNTS + h * 3 + 1, n_ones.to(gl.int64), sem="relaxed")
         gl.atomic_add(STAT_COUNTS + h * 3 + 2, gl.maximum(gl.minimum(T - m0, BLOCK_M), 0).to(gl.int64), sem="relaxed")
@@ -191,7 +191,7 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
 
 
 @gluon.jit
-def _attn_fwd_hopper(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
+def attn_fwd(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                      stride_ob, stride_oh, stride_ot, H, T, qk_scale, eps_u,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -301,14 +301,14 @@ class Tile(NamedTuple):
 
 
 class Choice(NamedTuple):
-    """Where `ops.forward` launches the Gluon forward: its tile, from this sequence length on."""
+    """Where `launch.forward` launches the Gluon forward: its tile, from this sequence length on."""
     tile: Tile
     min_seq_len: int
 
 
 # By head dim and whether the softmax does SFA's or the statistics' work; None keeps the Triton forward. Forward
-# TFLOP/s from a CUDA graph, causal bf16, against our Triton forward in the same run (benchmarks/gluon_forward.py
-# --sweep; results/kernel-variants/gluon-*, RESULTS.md) at T = 4096: D = 128 pingpong 1.07x plain, 1.14x with SFA +
+# TFLOP/s from a CUDA graph, causal bf16, against our Triton forward in the same run (research/gluon_forward.py
+# --sweep; results/kernel-variants/) at T = 4096: D = 128 pingpong 1.07x plain, 1.14x with SFA +
 # statistics; D = 64 FA3's order on 8 warps 1.05x plain, 0.94x with SFA + statistics. Across two benchmark runs
 # (cuDNN within 2% in both): +16% plain at (1,16,16384,128), but -14% at (16,12,1024,64).
 # Below 4096 no same-run comparison exists, so the Triton forward stays there.

@@ -1,8 +1,14 @@
-"""`KernelSpec`: what the fused kernels are specialised on, derived from a `Precision`.
+"""`KernelSpec`: what the fused kernels are specialised on, derived from a `Precision`; the one registry of them.
 
-A policy becomes a set of compile-time rounding codes (0 keeps fp32, 1 rounds to
-bf16, 2 to fp16) for every site and for every elementwise operation between
-sites, where the reference rounds to the operands' promoted dtype.
+A policy becomes a set of compile-time rounding codes (0 keeps fp32, 1 rounds to bf16, 2 to fp16) for every site and
+for every elementwise operation between sites, where the reference rounds to the operands' promoted dtype. The policy
+of production FA2 (the `fa2` preset, its tiles included) runs the native kernels (`native.py`, `hopper.py`); every
+other supported policy the emulation kernels (`emulation.py`).
+
+`spec_name(policy, stabilize, dtype, head_dim, seq_len)` validates and builds a spec once per argument tuple (the
+`Precision` and stabilizer are hashable) and returns its name, a string: what the `torch.library` ops can carry.
+Under torch.compile it runs once at trace time and its result is a constant of the graph. `spec_named` maps the name
+back.
 """
 
 from __future__ import annotations
@@ -38,10 +44,17 @@ def _rescaled_acc_code(code: dict) -> int:
     return code["acc_scaled"] or promoted
 
 
-@dataclass(frozen=True)
+_FWD_CODES = ("R_QK", "R_SCORES", "R_ROW_MAX", "R_SUB", "R_PBAR", "R_PBAR_OP", "R_TILE_SUM", "R_PV", "R_RESCALE",
+              "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC", "R_L_SAVED", "R_DIV", "R_LSE", "R_LSE_ADD")
+_P_CODES = ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP")
+_DS_CODES = ("R_DS1", "R_DS2", "R_DS", "R_DS_OP")
+
+
+@dataclass(frozen=True, eq=False)
 class KernelSpec:
-    emu: bool
-    """False: production FA2 numerics (the `fa2` preset); True: every site rounded as the policy says."""
+    name: str
+    native: bool
+    """True: production FA2 numerics (`native.py`); False: every site rounded as the policy says (`emulation.py`)."""
     ops_fp32: bool
     """Matmul operands in exact fp32 (a policy whose P̄/P/dS operands are fp32)."""
     codes: tuple[tuple[str, int], ...]
@@ -53,15 +66,60 @@ class KernelSpec:
     logical_n: int
     tile_clamp: float
     stab: int
+    """0 plain, 1 SFA, 2 ClampPbar."""
     beta: float
     eps: float
+    """SFA's eps in the kernels' score units (base 2 natively)."""
     low: float
     high: float
     bounded: bool
     clamp_ceiling: float
 
+    @property
+    def units(self) -> float:
+        """Score units per natural unit: the native kernels work in base 2."""
+        return LOG2E if self.native else 1.0
+
     def code(self, name: str) -> int:
         return dict(self.codes)[name]
+
+    @functools.cached_property
+    def forward_constants(self) -> dict:
+        """The forward kernel's compile-time arguments but the launch's (HEAD_DIM, CAUSAL, STATS, tile, TMA)."""
+        shared = dict(STAB=self.stab, BETA=self.beta, LOW=self.low, HIGH=self.high, BOUNDED=self.bounded,
+                      CLAMP_CEIL=self.clamp_ceiling)
+        if self.native:
+            # SFA's native forward runs 2-6% faster with the grid's axes swapped, the plain one up to 3% slower
+            return dict(shared, HEADS_FIRST=self.stab == 1)
+        codes = dict(self.codes)
+        return dict(shared, OPS_FP32=self.ops_fp32, SAVE_OS=self.save_fp32_o, TILE_CLAMP=self.tile_clamp,
+                    **{n: codes[n] for n in _FWD_CODES})
+
+    @functools.cached_property
+    def delta_constants(self) -> dict | None:
+        """The `dp_p` δ pass's compile-time arguments; None where the dQ kernel computes δ = rowsum(dO ∘ O)."""
+        if not self.delta_dpp:
+            return None
+        codes = dict(self.codes)
+        return dict(OPS_FP32=self.ops_fp32, **{n: codes[n] for n in (*_P_CODES, "R_DPP", "R_TERMS", "R_DELTA")})
+
+    @functools.cached_property
+    def dq_constants(self) -> dict:
+        if self.native:
+            return {}
+        codes = dict(self.codes)
+        here = not self.delta_dpp
+        return dict(OPS_FP32=self.ops_fp32, DELTA_HERE=here, R_TERMS=codes["R_TERMS"] if here else 0,
+                    R_DELTA=codes["R_DELTA"] if here else 0,
+                    **{n: codes[n] for n in (*_P_CODES, *_DS_CODES, "R_DQ_PART", "R_DQ")})
+
+    @functools.cached_property
+    def dkdv_constants(self) -> dict:
+        if self.native:
+            return {}
+        codes = dict(self.codes)
+        return dict(OPS_FP32=self.ops_fp32,
+                    **{n: codes[n] for n in (*_P_CODES, "R_P_OP", *_DS_CODES, "R_DV_PART", "R_DV", "R_DK_PART", "R_DK")})
 
 
 @functools.lru_cache(maxsize=1024)  # asked on every `backend="auto"` call on CUDA
@@ -70,7 +128,9 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
     if dtype not in INPUT_DTYPES:
         return f"inputs must be bfloat16 or float16, got {dtype}"
     if policy.head_override is not None:
-        return None  # the API splits heads and asks again per policy
+        other = policy.head_override[1]
+        return unsupported_reason(policy.replace(head_override=None), stabilize, dtype) or unsupported_reason(
+            other, stabilize, dtype)
     if policy.compute != "fp32":
         return "compute must be fp32"
     if policy.rounding != "nearest":
@@ -99,14 +159,42 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
     return None
 
 
-def _is_native(policy: Precision, dtype: torch.dtype) -> bool:
+def is_native(policy: Precision, dtype: torch.dtype) -> bool:
+    """Whether `policy` is production FA2's numerics, which the native kernels compute."""
     fa2 = PRESETS["fa2"]
     same_sites = all(policy.dtype(s, dtype) == fa2.dtype(s, dtype) for s in SITES if s != "delta_terms")
-    return (same_sites and policy.tile_sum_clamp is None
-            and policy.block_m == _NATIVE_TILE and policy.block_n == _NATIVE_TILE)
+    return (same_sites and policy.tile_sum_clamp is None and policy.o_saved == "out"
+            and policy.delta_formula == "do_o" and policy.block_m == _NATIVE_TILE and policy.block_n == _NATIVE_TILE)
+
+
+_REGISTRY: dict[str, KernelSpec] = {}
+
+
+@torch.compiler.assume_constant_result
+def spec_name(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+    """The name of the kernels' specialisation for these arguments, validated, built and registered once; a
+    ValueError names the argument the kernels cannot take."""
+    return _build(policy, stabilize, dtype, head_dim, seq_len)
+
+
+def spec_named(name: str) -> KernelSpec:
+    return _REGISTRY[name]
+
+
+@functools.lru_cache(maxsize=1024)
+def _build(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"q: the triton backend supports head dims {HEAD_DIMS}, got {head_dim}")
+    reason = unsupported_reason(policy, stabilize, dtype)
+    if reason is not None:
+        raise ValueError(f"precision: the triton backend cannot run policy {policy.name!r}: {reason}; "
+                         "use backend='reference'")
+    spec = build_spec(policy, stabilize, dtype, seq_len)
+    return _REGISTRY.setdefault(spec.name, spec).name
 
 
 def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -> KernelSpec:
+    """The spec of a supported policy (`unsupported_reason` is None), unregistered."""
     code = {site: _CODES[policy.dtype(site, dtype)] for site in SITES}
     input_code = _CODES[dtype]
     codes = dict(
@@ -127,7 +215,7 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
     codes["R_L2"] = _promote(codes["R_L1"], code["tile_sum"])
     codes["R_A2"] = _promote(code["acc_scaled"], code["pv"])
     codes["R_DS2"] = _promote(code["p"], codes["R_DS1"])
-    emu = not _is_native(policy, dtype)
+    native = is_native(policy, dtype)
     ops_fp32 = any(code[s] != input_code for s in ("pbar_operand", "p_operand", "ds_operand", "out"))
     whole = math.ceil(seq_len / PHYSICAL_TILE) * PHYSICAL_TILE
     pbar_format = get_format(policy.dtype("pbar_operand", dtype))
@@ -137,15 +225,16 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
         low, high = stabilize.shift_bounds(pbar_format)
     elif isinstance(stabilize, ClampPbar):
         stab, ceiling = 2, ClampPbar.ceiling(pbar_format)
-    units = 1.0 if emu else LOG2E  # the native kernel works in base-2 units
-    return KernelSpec(
-        emu=emu, ops_fp32=ops_fp32, codes=tuple(sorted(codes.items())),
+    units = LOG2E if native else 1.0  # the native kernels work in base-2 units
+    fields = dict(
+        native=native, ops_fp32=ops_fp32, codes=tuple(sorted(codes.items())),
         out_dtype=policy.dtype("out", dtype), save_fp32_o=policy.o_saved == "fp32",
         delta_dpp=policy.delta_formula == "dp_p",
         logical_m=policy.block_m or whole, logical_n=policy.block_n or whole,
         tile_clamp=float(policy.tile_sum_clamp or 0.0), stab=stab, beta=beta, eps=eps * units,
         low=low * units, high=high * units, bounded=bounded, clamp_ceiling=ceiling,
     )
+    return KernelSpec(name=repr(sorted(fields.items())), **fields)
 
 
 def emulated_variant(name: str) -> Precision:

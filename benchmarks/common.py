@@ -1,4 +1,4 @@
-"""What a benchmark script records about its run, and how it reads `--shapes`: one place for `benchmarks/`."""
+"""What a benchmark script records about its run, and how it reads `--shapes`: shared by the scripts in this folder."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ def parse_shapes(text: str | None, default) -> list[tuple[int, ...]]:
 
 def commit() -> str | None:
     """`STABLEFLASH_COMMIT` (the GPU machine gets a copy of the working tree, not the repository), else the HEAD of
-    the checkout this package runs from, else None."""
+    the checkout these scripts run from, else None."""
     if os.environ.get("STABLEFLASH_COMMIT"):
         return os.environ["STABLEFLASH_COMMIT"]
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                               capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None

@@ -2,7 +2,7 @@
 
 Triton lowers a kernel to a cubin for a given target anywhere; `cuobjdump -res-usage` (shipped in
 Triton's wheel) reads its registers and spills. This answers "does this specialisation compile for
-the H200 (sm_90)?" and "does it spill?" without device time (`benchmarks/kernel_resources.py`, tests).
+the H200 (sm_90)?" and "does it spill?" without device time (research/tests/test_kernel_compile.py).
 """
 
 from __future__ import annotations
@@ -16,36 +16,44 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from stableflash.attention.triton import kernels, ops
+from stableflash.attention.triton import emulation, native
+from stableflash.attention.triton.spec import spec_named
 
 SM90 = GPUTarget("cuda", 90, 32)
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "OS", "DO", "DK", "DV", "DQ")},
-             **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX", "DQ_ACC")}, "STAT_COUNTS": "*i64"}
-_FLOATS = {"scale", "qk_scale", "eps_u"}
-KERNELS = {"fwd": kernels._attn_fwd, "delta_dpp": kernels._attn_bwd_delta_dpp, "dkdv": kernels._attn_bwd_dkdv,
-           "dq": kernels._attn_bwd_dq}
+             **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX")}, "STAT_COUNTS": "*i64"}
+_FLOATS = {"scale", "qk_scale", "eps"}
+KERNELS = {(True, "fwd"): native.attn_fwd, (True, "dq"): native.attn_bwd_dq, (True, "dkdv"): native.attn_bwd_dkdv,
+           (False, "fwd"): emulation.attn_fwd, (False, "delta_dpp"): emulation.attn_bwd_delta_dpp,
+           (False, "dq"): emulation.attn_bwd_dq, (False, "dkdv"): emulation.attn_bwd_dkdv}
 
 
-def constexprs(key: str, kernel: str, head_dim: int, config: triton.Config, causal: bool = True,
+def kernel_of(name: str, kernel: str):
+    """The jit function `launch` runs as `kernel` ("fwd", "delta_dpp", "dq", "dkdv") for the spec `name`."""
+    return KERNELS[spec_named(name).native, kernel]
+
+
+def constexprs(name: str, kernel: str, head_dim: int, config: triton.Config, causal: bool = True,
                stats: bool = False) -> dict:
-    """The compile-time arguments `ops` launches `kernel` with, for the registered spec `key` and a tile."""
-    _, fwd, delta, bwd, dkdv, dq = ops._meta(key)
-    if kernel == "delta_dpp" and delta is None:
-        raise ValueError(f"kernel: spec {key!r} computes δ inside the dQ kernel; it has no delta_dpp pass")
-    own = {"fwd": {**fwd, "STATS": stats}, "delta_dpp": delta, "dkdv": {**bwd, **dkdv}, "dq": {**bwd, **dq}}[kernel]
+    """The compile-time arguments `launch` gives `kernel` for the registered spec `name` and a tile."""
+    spec = spec_named(name)
+    if kernel == "delta_dpp" and spec.delta_constants is None:
+        raise ValueError(f"kernel: spec {name!r} computes δ inside the dQ kernel; it has no delta_dpp pass")
+    own = {"fwd": {**spec.forward_constants, "STATS": stats}, "delta_dpp": spec.delta_constants,
+           "dkdv": spec.dkdv_constants, "dq": spec.dq_constants}[kernel]
     return {**own, "HEAD_DIM": head_dim, "CAUSAL": causal, **config.kwargs}
 
 
-def compile_kernel(kernel: str, consts: dict, config: triton.Config, target: GPUTarget = SM90):
+def compile_kernel(name: str, kernel: str, consts: dict, config: triton.Config, target: GPUTarget = SM90):
     """Compile one kernel specialisation for `target`; raises Triton's CompilationError if it does not compile.
 
     Specialised as a launch on a GPU specialises it: every pointer 16-byte aligned, every stride and logical tile
     length divisible by 16 (true for torch's allocations at head dims 64 and 128), and T too (as at T = 4096).
     Without these hints Triton can prove no alignment, loads scalar 16-bit values and skips the cp.async pipeline,
     so registers, spills and shared memory come out unlike the code the GPU runs."""
-    return compile_function(KERNELS[kernel], consts, {"num_warps": config.num_warps, "num_stages": config.num_stages},
+    return compile_function(kernel_of(name, kernel), consts, {"num_warps": config.num_warps, "num_stages": config.num_stages},
                             target)
 
 

@@ -1,0 +1,81 @@
+"""Eager forward+backward at one shape, for the package on PYTHONPATH: the eager, device and host times per call.
+
+For fa2, SFA and SFA with the statistics (the calls of `benchmarks/attention.py`): the eager time as that benchmark
+takes it (`do_bench` median), the device time from a CUDA graph, and the host time of one call with the GPU queue
+drained first (so the host never waits). Public API only, so the same script measures two versions of the package:
+
+    PYTHONPATH=OLD_TREE python research/eager_host.py --out OLD.json
+    python research/eager_host.py --out NEW.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+import stableflash
+from stableflash import SFA, AttentionStats, flash_attention
+
+
+def calls(num_heads: int) -> dict:
+    stats = AttentionStats(num_heads)
+    return {"fa2": lambda q, k, v: flash_attention(q, k, v, backend="triton"),
+            "sfa": lambda q, k, v: flash_attention(q, k, v, backend="triton", stabilize=SFA()),
+            "sfa-stats": lambda q, k, v: flash_attention(q, k, v, backend="triton", stabilize=SFA(), stats=stats)}
+
+
+def host_us(call, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def measure(fn, shape) -> dict:
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        fn(q, k, v).backward(dout)
+
+    step()  # compile and autotune
+    eager = triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=[q, k, v], return_mode="median")
+    graph = triton.testing.do_bench_cudagraph(step, rep=200, grad_to_none=[q, k, v], return_mode="median")
+    return {"eager_ms": eager, "graph_ms": graph, "host_us": host_us(step, 200)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", default="16,12,1024,64")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    shape = tuple(int(x) for x in args.shape.split(","))
+    B, H, T, D = shape
+    flops = 3.5 * 4 * B * H * T * T * D / 2
+    rows = []
+    for round_ in range(args.rounds):
+        for name, fn in calls(H).items():
+            row = {"round": round_, "call": name, **measure(fn, shape)}
+            row["eager_tflops"], row["graph_tflops"] = (flops / (row[k] * 1e-3) / 1e12 for k in ("eager_ms", "graph_ms"))
+            rows.append(row)
+            print(f"{round_} {name:<10} eager {row['eager_tflops']:6.1f}  graph {row['graph_tflops']:6.1f} TFLOP/s  "
+                  f"host {row['host_us']:6.1f} us", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"package": str(Path(stableflash.__file__).parent), "shape": shape, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The shipped kernels compile for the H200 (sm_90) on any machine, no GPU needed: what the interpreter cannot see.
+
+`python -m pytest research/tests` (not in the default run: each compile takes seconds). Guards found on the GPU: a
+bf16 dot of fp32 operands that did not compile, Triton's FMA contraction of the scaled scores (NaN from scores of
+~2^31) and of the emulated products (one rounding where the reference makes two), and wgmmas that ptxas serialises.
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offline_compile import compile_function, compile_kernel, constexprs, resource_usage, wgmma_serialization  # noqa: E402
+
+from stableflash import SFA  # noqa: E402
+from stableflash.attention.precision import resolve  # noqa: E402
+from stableflash.attention.triton import hopper, launch, tuning  # noqa: E402
+from stableflash.attention.triton.spec import spec_name  # noqa: E402
+
+
+def _name(policy: str, stabilize=None, head_dim: int = 64, T: int = 4096) -> str:
+    base, _, knob = policy.partition("+")
+    pol = resolve(base).with_delta("dp_p") if knob == "dp_p" else resolve(base)
+    return spec_name(pol, stabilize, torch.bfloat16, head_dim, T)
+
+
+def _compile(policy, kernel, config, stabilize=None, head_dim=64, stats=False):
+    name = _name(policy, stabilize, head_dim)
+    return compile_kernel(name, kernel, constexprs(name, kernel, head_dim, config, stats=stats), config)
+
+
+@pytest.mark.parametrize("policy, kernel, config", [
+    ("fp32", "fwd", tuning.emulation_config(True, 64)), ("fp32", "dkdv", tuning.emulation_config(True, 64)),
+    ("fp32", "dq", tuning.emulation_config(True, 64)), ("paper+dp_p", "delta_dpp", tuning.emulation_config(False, 64)),
+    ("fa2", "fwd", tuning.FWD_CONFIGS[0]), ("fa2", "dq", tuning.DQ_CONFIGS[0]), ("fa2", "dkdv", tuning.DKDV_CONFIGS[0]),
+])
+def test_kernel_compiles_for_sm90(policy, kernel, config):
+    if policy == "fa2":  # the native kernels' tiles carry the load path
+        config = triton.Config({**config.kwargs, "TMA": False}, num_warps=config.num_warps, num_stages=config.num_stages)
+    usage = resource_usage(_compile(policy, kernel, config))
+    assert 0 < usage["registers"] <= 255
+
+
+@pytest.mark.parametrize("kernel, config", [("fwd", tuning.config(128, 128, 8, 3, TMA=False)),
+                                            ("dkdv", tuning.config(32, 128, 4, 3, TMA=False)),
+                                            ("dq", tuning.config(128, 32, 4, 3, TMA=False))])
+def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
+    """ptxas runs a kernel's wgmmas one after another when it cannot prove a register read outside their lifetime;
+    ours must not be among them. SFA + statistics at D = 128, the heaviest native specialisation."""
+    compiled = _compile("fa2", kernel, config, SFA(), head_dim=128, stats=kernel == "fwd")
+    assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
+
+
+@pytest.mark.parametrize("stabilize", [None, SFA()])
+def test_native_forward_scales_scores_without_contraction(stabilize):
+    """Scores are fl(qk·scale) before exp2(s − m): contracted into exp2(fma(qk, scale, −m)), a row's maximum gets the
+    rounding residual of m, and exp2 of it overflows from scores of ~2^31. A contraction per score would put at least
+    one `fma.rn.f32` per score a thread holds into the PTX."""
+    ptx = _compile("fa2", "fwd", tuning.config(64, 64, 4, 3, TMA=False), stabilize).asm["ptx"]
+    assert len(re.findall(r"\bfma\.rn\.f32", ptx)) < 64 * 64 // (4 * 32)
+
+
+@pytest.mark.parametrize("preset", ["paper", "fp32"])
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_emulated_kernels_round_every_product(preset, kernel):
+    """Under emulation a product and the sum after it are two roundings, as in the reference; an FMA makes them one.
+    (libdevice's exp and log keep their own `fma.rn.ftz`, part of computing them.)"""
+    ptx = _compile(preset, kernel, tuning.emulation_config(preset == "fp32", 64)).asm["ptx"]
+    assert not re.findall(r"\bfma\.rn\.f32", ptx)
+
+
+def _hopper_launches():
+    """(head dim, SFA, statistics, tile) for every Gluon forward `launch.forward` runs on sm_90."""
+    return [(head_dim, sfa, stats, choice.tile) for (head_dim, softmax_work), choice in hopper.FORWARD_TILES.items()
+            if choice is not None for sfa, stats in ([(True, True), (True, False), (False, True)] if softmax_work
+                                                     else [(False, False)])]
+
+
+@pytest.mark.parametrize("head_dim,sfa,stats,tile", _hopper_launches())
+def test_the_gluon_forwards_launches_compile_unserialised(head_dim, sfa, stats, tile):
+    """Each tile of `hopper.FORWARD_TILES`, with the constants `launch.forward` gives it: compiled for sm_90, the
+    wgmmas stay asynchronous, no spills, within the H200's shared memory."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    name = _name("fa2", SFA() if sfa else None, head_dim)
+    consts, config = launch._hopper_constants(name, head_dim, torch.bfloat16, True, tile, stats)
+    compiled = compile_function(hopper.attn_fwd, {**consts, "num_warps": config.num_warps},
+                                {"num_warps": config.num_warps}, source_type=GluonASTSource)
+    assert wgmma_serialization(compiled) is None
+    usage = resource_usage(compiled)
+    assert usage["spill_stack_bytes"] == 0 and usage["shared_bytes"] <= 232_448

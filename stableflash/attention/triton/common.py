@@ -1,0 +1,154 @@
+"""Triton helpers shared by the native and the emulation kernels: loads, casts, products, SFA's shift."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from stableflash.attention.triton.spec import INTERPRET
+
+# The interpreter (TRITON_INTERPRET=1, the CPU tests) has no libdevice and multiplies bf16 tiles wrongly in tl.dot,
+# so it takes fp32 paths instead.
+_INTERPRET = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE with round-to-nearest-even (the interpreter's own bf16 cast truncates)."""
+    if _INTERPRET and DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 32767 + ((bits >> 16) & 1)) & -65536
+        x = tl.where(x == x, rounded.to(tl.float32, bitcast=True), x)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def dot(a, b, acc, OPS_FP32: tl.constexpr):
+    """a @ b + acc with fp32 accumulation; operands in their dtype, or exact fp32 when OPS_FP32."""
+    # one return through if/elif/else: after an early `return` under a constexpr `if`, Triton still compiles the
+    # rest, and a bf16 dot of fp32 operands does not compile
+    if _INTERPRET:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif OPS_FP32:  # three tf32 products: fp32-level accuracy on the tensor cores
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def mul_rn(a, b):
+    """a·b rounded on its own, never contracted with a later addition into an FMA (PTX `mul.rn`).
+
+    Natively, for the scores: with fl(s) − m a row's maximum gives exp2(0) = 1 at any magnitude, where
+    exp2(fma(qk, scale, −m)) gets the rounding residual of m, which overflows exp2 from scores of ~2^31. Under
+    emulation, at every product followed by a sum: the reference rounds both."""
+    if _INTERPRET:
+        y = a * b
+    else:
+        y = libdevice.mul_rn(a, b)
+    return y
+
+
+@triton.jit
+def fp32(x):
+    """A float argument in fp32: Triton passes Python floats as fp32, but inductor (launching the traced ops) as
+    fp64, which would promote every score computed with it."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
+def head_offset(bh, H, stride_b, stride_h):
+    """Element offset of (batch, head) = divmod(bh, H) in a (B, H, T, D) tensor with these strides."""
+    return (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+
+
+@triton.jit
+def load_rows(ptr, offs, stride_t, T, HEAD_DIM: tl.constexpr):
+    """A (len(offs), HEAD_DIM) tile of rows `offs` of one head; rows past T read as 0."""
+    return tl.load(ptr + offs[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :], mask=offs[:, None] < T, other=0.0)
+
+
+@triton.jit
+def load_lse(LSE, offs, T):
+    """Saved lse; rows with no visible key (-inf) become +inf, so that their P is 0."""
+    lse = tl.load(LSE + offs, mask=offs < T, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def store_rows(ptr, x, offs, stride_t, T, HEAD_DIM: tl.constexpr):
+    """Rows `offs` of one head, cast to the pointer's dtype with round-to-nearest-even; rows past T skipped."""
+    ptrs = ptr + offs[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(ptrs, cast(x, ptr.dtype.element_ty), mask=offs[:, None] < T)
+
+
+@triton.jit
+def visible(offs_m, offs_n, T, CAUSAL: tl.constexpr):
+    """(queries, keys) pairs inside the sequence, and at or below the diagonal when causal: the backward's mask."""
+    valid = (offs_m[:, None] < T) & (offs_n[None, :] < T)
+    if CAUSAL:
+        valid = valid & (offs_m[:, None] >= offs_n[None, :])
+    return valid
+
+
+@triton.jit
+def round_up_bf16(x):
+    """Round fp32 toward +inf to a bf16 value (kept fp32): SFA's m must not round below its shift."""
+    bits = x.to(tl.int32, bitcast=True)
+    up = tl.where(x > 0, (bits + 65535) & -65536, bits & -65536)
+    return up.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def sfa_max(rm, repeated, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+            BOUNDED: tl.constexpr, ROUND_UP_BF16: tl.constexpr):
+    """SFA's row maximum m from the tile maximum rm and whether the row repeats it (see `stabilize.SFA`)."""
+    if BOUNDED:
+        # the paper's shift m - rm ((beta - 1) rm, or -rm below 0), kept in [LOW, HIGH] and checked after rounding.
+        # A repeated maximum is finite or +inf (near-max tests are false on NaN and -inf); +inf's shift is NaN, and
+        # its m fails the final test as a non-finite rm fails the reference's: one test in place of a finiteness one
+        shift = tl.where(rm > 0, BETA * rm, 0.0) - rm
+        m = rm + tl.minimum(tl.maximum(shift, LOW), HIGH)
+        if ROUND_UP_BF16:
+            m = round_up_bf16(m)
+        actual = m - rm
+        m = tl.where(repeated & (actual >= LOW) & (actual <= HIGH), m, rm)
+    else:
+        m = tl.where(repeated & (rm > 0), BETA * rm, rm)
+        m = tl.where(repeated & (rm < 0), 0.0, m)
+    return m
+
+
+@triton.jit
+def shift(m):
+    """Rows that have seen no finite score keep m = -inf; shift them by 0 so exp gives 0, not NaN."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def top2(a1, a2, b1, b2):
+    """Combine of a (largest, second largest) pair reduction; a repeated maximum is its own second."""
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
+
+
+@triton.jit
+def stats_combine(a_repeated, a_ones, a_max, b_repeated, b_ones, b_max):
+    """The statistics' per-program reduction: two counts and a maximum in one pass."""
+    return a_repeated + b_repeated, a_ones + b_ones, tl.maximum(a_max, b_max)
+
+
+@triton.jit
+def add_stats(STAT_COUNTS, STAT_MAX, h, repeated, ones, smax, row_ok, rows_seen, UNITS: tl.constexpr):
+    """Add one program's statistics to its head's totals: rows with a repeated maximum, P̄ = 1 entries, rows seen
+    (STAT_COUNTS, (H, 3) int64) and the largest score (STAT_MAX, (H,); divided by UNITS, the scores' units per
+    natural unit: log2(e) natively, 1 under emulation)."""
+    # one reduction over the rows for all three (cross-warp: one round of shared memory and barriers, not three)
+    n_repeated, n_ones, row_max = tl.reduce((tl.where(row_ok, repeated, 0), tl.where(row_ok, ones, 0),
+                                             tl.where(row_ok, smax, float("-inf"))), 0, stats_combine)
+    # relaxed: the counters need atomicity, not ordering (the default acq_rel fences every program's end)
+    tl.atomic_add(STAT_COUNTS + h * 3, n_repeated.to(tl.int64), sem="relaxed")
+    tl.atomic_add(STAT_COUNTS + h * 3 + 1, n_ones.to(tl.int64), sem="relaxed")
+    tl.atomic_add(STAT_COUNTS + h * 3 + 2, rows_seen.to(tl.int64), sem="relaxed")
+    tl.atomic_max(STAT_MAX + h, row_max / UNITS, sem="relaxed")

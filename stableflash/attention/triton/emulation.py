@@ -1,0 +1,353 @@
+"""The emulation kernels: every rounding point of a `Precision`, as the reference (`attention.reference`) makes it.
+
+Each site and each elementwise operation between sites takes a compile-time rounding code `R_*` (`spec.KernelSpec`:
+0 keeps fp32, 1 rounds to bf16, 2 to fp16), and the policy's logical tiles (LT keys in the forward, LQ queries or LT
+keys in the backward) are built from physical tiles of `spec.PHYSICAL_TILE`. The forward makes two or three passes
+over each logical tile: its maximum, its near-maximum count (only for SFA or the statistics), then P̄ and P̄V.
+Exponentials are libdevice's `exp` in natural units, as torch computes them. Bit-equal to the reference is the aim
+and what the tests check; speed comes second.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from stableflash.attention.triton.common import (
+    _INTERPRET,
+    add_stats,
+    cast,
+    dot,
+    fp32,
+    head_offset,
+    load_lse,
+    load_rows,
+    mul_rn,
+    sfa_max,
+    shift,
+    store_rows,
+    visible,
+)
+
+
+@triton.jit
+def _round(x, CODE: tl.constexpr):
+    """Round an fp32 tensor to bf16 (CODE 1) or fp16 (CODE 2), keeping it fp32; CODE 0: unchanged."""
+    if CODE == 1:
+        x = cast(x, tl.bfloat16).to(tl.float32)
+    elif CODE == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _exp(x):
+    """libdevice's expf (CUDA's exp, within 2 ulp), not the fast ex2.approx. The `add.rn` of +0 (an identity on exp's
+    results) keeps exp's last multiply from fusing into the caller's next sum, a rounding the reference makes."""
+    if _INTERPRET:
+        y = tl.exp(x)
+    else:
+        y = libdevice.add_rn(libdevice.exp(x), 0.0)
+    return y
+
+
+@triton.jit
+def _log(x):
+    if _INTERPRET:
+        y = tl.log(x)
+    else:
+        y = libdevice.log(x)
+    return y
+
+
+@triton.jit
+def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+            CAUSAL: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of scores, rounded as the policy says; keys past T or the diagonal at -inf."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kt = tl.load(K + k_off + offs_n[None, :] * stride_kt + tl.arange(0, HEAD_DIM)[:, None],
+                 mask=offs_n[None, :] < T, other=0.0)
+    qk = dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), OPS_FP32)
+    s = _round(_round(mul_rn(_round(qk, R_QK), scale), R_QK), R_SCORES)
+    valid = offs_n[None, :] < T
+    if CAUSAL:
+        valid = valid & (offs_m[:, None] >= offs_n[None, :])
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _near_max(s, rm, eps):
+    """Per row: how many finite scores lie within eps of the row maximum rm (which spans the logical tile)."""
+    # -inf scores give gap +inf, and a row of -inf gives NaN: neither passes the test
+    return tl.sum(((rm[:, None] - s) <= eps).to(tl.int32), 1)
+
+
+# -- forward ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def attn_fwd(
+    Q, K, V, O, OS, LSE, STAT_COUNTS, STAT_MAX,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_ot, H, T, scale, eps, LT,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    OPS_FP32: tl.constexpr, SAVE_OS: tl.constexpr, STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr,
+    LOW: tl.constexpr, HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TILE_CLAMP: tl.constexpr,
+    R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_ROW_MAX: tl.constexpr, R_SUB: tl.constexpr,
+    R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
+    R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
+    R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_L_SAVED: tl.constexpr, R_DIV: tl.constexpr,
+    R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr,
+):
+    """O (and, with SAVE_OS, the fp32 O the backward reads for δ into OS) and the natural-unit lse of one query tile."""
+    scale, eps = fp32(scale), fp32(eps)
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    k_off = head_offset(bh, H, stride_kb, stride_kh)
+    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    repeated = tl.zeros((BLOCK_M,), tl.int32)
+    ones = tl.zeros((BLOCK_M,), tl.int32)
+    smax = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+
+    for lt in range(0, hi, LT):
+        lt_end = tl.minimum(lt + LT, hi)
+        # pass 1: the logical tile's row maximum
+        rm = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        for start_n in range(lt, lt_end, BLOCK_N):
+            s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32,
+                        R_QK, R_SCORES)
+            rm = tl.maximum(rm, tl.max(s, 1))
+        rm = _round(rm, R_ROW_MAX)
+        # pass 2 (SFA or statistics): near-maximum counts against the whole tile's maximum
+        if STATS or STAB == 1:
+            rs = tl.zeros((BLOCK_M,), tl.int32)
+            for start_n in range(lt, lt_end, BLOCK_N):
+                s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32,
+                            R_QK, R_SCORES)
+                rs += _near_max(s, rm, eps)
+                if STATS:
+                    smax = tl.maximum(smax, tl.max(tl.where(s < float("inf"), s, float("-inf")), 1))
+            if STATS:
+                repeated = tl.maximum(repeated, (rs > 1).to(tl.int32))
+            if STAB == 1:
+                rm = _round(sfa_max(rm, rs > 1, BETA, LOW, HIGH, BOUNDED, R_ROW_MAX == 1), R_ROW_MAX)
+        m_new = _round(tl.maximum(rm, m), R_ROW_MAX)
+        m_shift = shift(m_new)
+        # pass 3: P̄, its row sum and P̄V over the logical tile
+        tile_sum = tl.zeros((BLOCK_M,), tl.float32)
+        pv = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        for start_n in range(lt, lt_end, BLOCK_N):
+            s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32,
+                        R_QK, R_SCORES)
+            p = _round(_exp(_round(s - m_shift[:, None], R_SUB)), R_PBAR)
+            if STAB == 2:
+                p = tl.minimum(p, CLAMP_CEIL)
+            p_op = _round(p, R_PBAR_OP)
+            if STATS:
+                ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
+            tile_sum += tl.sum(p, 1)
+            v = load_rows(V + v_off, start_n + tl.arange(0, BLOCK_N), stride_vt, T, HEAD_DIM)
+            if OPS_FP32:
+                pv = dot(p_op, v, pv, True)
+            else:
+                pv = dot(cast(p_op, V.dtype.element_ty), v, pv, False)
+        tile_sum = _round(tile_sum, R_TILE_SUM)
+        if TILE_CLAMP > 0:
+            tile_sum = tl.maximum(tile_sum, TILE_CLAMP)
+        pv = _round(pv, R_PV)
+        rescale = _round(_exp(_round(m - m_shift, R_ROW_MAX)), R_RESCALE)
+        l = _round(_round(_round(mul_rn(rescale, l), R_L1) + tile_sum, R_L2), R_ROW_SUM)
+        acc = _round(_round(_round(mul_rn(acc, rescale[:, None]), R_A1) + pv, R_A2), R_ACC)
+        m = m_new
+
+    empty = m == float("-inf")  # rows that see no key: O = 0, lse = -inf
+    l = _round(l, R_L_SAVED)  # the buffer that the division and the log-sum-exp read
+    o = _round(acc / tl.where(empty, 1.0, l)[:, None], R_DIV)
+    o = tl.where(empty[:, None], 0.0, o)
+    o_off = head_offset(bh, H, stride_ob, stride_oh)
+    store_rows(O + o_off, o, offs_m, stride_ot, T, HEAD_DIM)
+    if SAVE_OS:
+        store_rows(OS + o_off, o, offs_m, stride_ot, T, HEAD_DIM)
+    log_l = _round(_log(l), R_LSE)
+    lse = tl.where(empty, float("-inf"), _round(_round(log_l + m, R_LSE_ADD), R_LSE))
+    row_ok = offs_m < T
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
+    if STATS:
+        add_stats(STAT_COUNTS, STAT_MAX, bh % H, repeated, ones, smax, row_ok, tl.minimum(T - pid_m * BLOCK_M, BLOCK_M),
+                  1.0)
+
+
+# -- backward --------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _probs(q, k, lse, offs_m, offs_n, T, scale, CAUSAL: tl.constexpr, OPS_FP32: tl.constexpr,
+           R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr):
+    """P for one (queries, keys) tile, recomputed from the saved natural-unit lse."""
+    qk = dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), OPS_FP32)
+    s = _round(_round(mul_rn(_round(qk, R_QK), scale), R_QK), R_SCORES)
+    p = _round(_exp(_round(s - lse[:, None], R_P_SUB)), R_P)
+    return tl.where(visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
+
+
+@triton.jit
+def _probs_t(k, q, lse, offs_n, offs_m, T, scale, CAUSAL: tl.constexpr, OPS_FP32: tl.constexpr,
+             R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr):
+    """Pᵀ for one (keys, queries) tile: the dK/dV kernel's orientation of `_probs`."""
+    qkt = dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), OPS_FP32)
+    s = _round(_round(mul_rn(_round(qkt, R_QK), scale), R_QK), R_SCORES)
+    pt = _round(_exp(_round(s - lse[None, :], R_P_SUB)), R_P)
+    valid = (offs_m[None, :] < T) & (offs_n[:, None] < T)
+    if CAUSAL:
+        valid = valid & (offs_m[None, :] >= offs_n[:, None])
+    return tl.where(valid, pt, 0.0)
+
+
+@triton.jit
+def _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, OPS_FP32: tl.constexpr,
+          R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr):
+    """For the query rows `offs_m` and the key tile at `start_n`: its keys k, P (recomputed) and dP = dO Vᵀ."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
+    v = load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
+    p = _probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
+    dp = _round(dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), OPS_FP32), R_DP)
+    return k, p, dp
+
+
+@triton.jit
+def attn_bwd_delta_dpp(
+    Q, K, V, DO, LSE, DELTA,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot, H, T, qk_scale, LT,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr,
+    R_P: tl.constexpr, R_DP: tl.constexpr, R_DPP: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
+):
+    """δ = rowsum(dP ∘ P) (the `dp_p` formula) of one query tile: P and dP recomputed over every visible key,
+    summed per logical key tile and added up with the policy's rounding, as the reference does."""
+    qk_scale = fp32(qk_scale)
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    k_off = head_offset(bh, H, stride_kb, stride_kh)
+    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    row_off = bh.to(tl.int64) * T
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
+    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
+    lse = load_lse(LSE + row_off, offs_m, T)
+    delta = tl.zeros((BLOCK_M,), tl.float32)
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+    for lt in range(0, hi, LT):
+        part = tl.zeros((BLOCK_M,), tl.float32)
+        for start_n in range(lt, tl.minimum(lt + LT, hi), BLOCK_N):
+            _, p, dp = _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+                             BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P, R_DP)
+            part += tl.sum(_round(_round(mul_rn(dp, p), R_DPP), R_TERMS), 1)
+        delta = _round(delta + _round(part, R_DELTA), R_DELTA)
+    tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
+
+
+@triton.jit
+def attn_bwd_dq(
+    Q, K, V, DO, O, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
+    H, T, qk_scale, scale, LT,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    OPS_FP32: tl.constexpr, DELTA_HERE: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
+    R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
+    R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
+    R_DQ_PART: tl.constexpr, R_DQ: tl.constexpr,
+):
+    """dQ of one query tile, each logical key tile's part accumulated in fp32, then rounded and added as the reference
+    does. With DELTA_HERE it first computes its rows' δ = rowsum(dO ∘ O) (each product rounded on its own) and
+    stores it for the dK/dV kernel; else it reads the δ of the `dp_p` pass."""
+    qk_scale, scale = fp32(qk_scale), fp32(scale)
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    k_off = head_offset(bh, H, stride_kb, stride_kh)
+    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    row_off = bh.to(tl.int64) * T
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
+    if DELTA_HERE:
+        o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
+        terms = mul_rn(do.to(tl.float32), o.to(tl.float32))
+        delta = _round(tl.sum(_round(terms, R_TERMS), 1), R_DELTA)
+        tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
+    else:
+        delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
+    lse = load_lse(LSE + row_off, offs_m, T)
+    dq_run = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+    for lt in range(0, hi, LT):
+        dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        for start_n in range(lt, tl.minimum(lt + LT, hi), BLOCK_N):
+            k, p, dp = _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+                             BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P, R_DP)
+            ds = _round(_round(mul_rn(p, _round(dp - delta[:, None], R_DS1)), R_DS2), R_DS)
+            if OPS_FP32:
+                dq = dot(_round(ds, R_DS_OP), k, dq, True)
+            else:
+                dq = dot(cast(ds, k.dtype), k, dq, False)
+        dq_run = _round(dq_run + _round(mul_rn(_round(dq, R_DQ_PART), scale), R_DQ_PART), R_DQ)
+    store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq_run, offs_m, stride_gt, T, HEAD_DIM)
+
+
+@triton.jit
+def attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, T, qk_scale, scale, LQ,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
+    R_P_OP: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr,
+    R_DS_OP: tl.constexpr, R_DV_PART: tl.constexpr, R_DV: tl.constexpr, R_DK_PART: tl.constexpr, R_DK: tl.constexpr,
+):
+    """dK and dV (both with strides `stride_g*`) of one key tile: each logical query tile's part accumulated in fp32,
+    then rounded and added as the reference does."""
+    qk_scale, scale = fp32(qk_scale), fp32(scale)
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    q_off = head_offset(bh, H, stride_qb, stride_qh)
+    do_off = head_offset(bh, H, stride_dob, stride_doh)
+    row_off = bh.to(tl.int64) * T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = load_rows(K + head_offset(bh, H, stride_kb, stride_kh), offs_n, stride_kt, T, HEAD_DIM)
+    v = load_rows(V + head_offset(bh, H, stride_vb, stride_vh), offs_n, stride_vt, T, HEAD_DIM)
+    dk_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    for lq in range((lo // LQ) * LQ, T, LQ):
+        dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+        dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+        for start_m in range(tl.maximum(lq, lo), tl.minimum(lq + LQ, T), BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
+            do = load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
+            lse = load_lse(LSE + row_off, offs_m, T)
+            delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
+            pt = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, CAUSAL, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
+            if OPS_FP32:
+                dv = dot(_round(pt, R_P_OP), do, dv, True)
+            else:
+                dv = dot(cast(pt, do.dtype), do, dv, False)
+            dpt = _round(dot(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), OPS_FP32), R_DP)
+            dst = _round(_round(mul_rn(pt, _round(dpt - delta[None, :], R_DS1)), R_DS2), R_DS)
+            if OPS_FP32:
+                dk = dot(_round(dst, R_DS_OP), q, dk, True)
+            else:
+                dk = dot(cast(dst, q.dtype), q, dk, False)
+        dv_run = _round(dv_run + _round(dv, R_DV_PART), R_DV)
+        dk_run = _round(dk_run + _round(mul_rn(_round(dk, R_DK_PART), scale), R_DK_PART), R_DK)
+    out = head_offset(bh, H, stride_gb, stride_gh)
+    store_rows(DK + out, dk_run, offs_n, stride_gt, T, HEAD_DIM)
+    store_rows(DV + out, dv_run, offs_n, stride_gt, T, HEAD_DIM)

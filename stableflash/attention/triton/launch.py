@@ -1,0 +1,244 @@
+"""The host side of the fused kernels: allocate the outputs, choose the kernel and its tile, launch.
+
+`forward` and `backward` serve every caller: the eager `autograd.Function` and the `torch.library` ops (`ops.py`).
+With `traced=True` (inside a `triton_op` under torch.compile) each launch goes through `wrap_triton`, so that inductor
+sees the kernel and launches it from its own code; otherwise it is a plain Triton launch. Both take the tile from
+`tuning.TILE_PICKS` where a pick is held, else autotune (eagerly: once, and record the pick).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from torch.library import wrap_triton
+
+from stableflash.attention.triton import emulation, options
+from stableflash.attention.triton.spec import INTERPRET, KernelSpec, spec_named
+from stableflash.attention.triton.tuning import (
+    INTERPRETER_CONFIG,
+    NATIVE_DKDV,
+    NATIVE_DQ,
+    NATIVE_FWD,
+    TILE_PICKS,
+    TMA_MIN_HEAD_DIM,
+    Tunable,
+    emulation_config,
+)
+
+try:  # Gluon, Triton's lower-level language (3.5 and later): the native forward on Hopper
+    from stableflash.attention.triton import hopper
+except ImportError:
+    hopper = None
+
+
+# -- launching ---------------------------------------------------------------------------------------------------------
+
+def _run(kernel, grid, args, meta: dict, config: triton.Config, traced: bool) -> None:
+    """Launch `kernel` with a fixed tile."""
+    launcher = wrap_triton(kernel) if traced else kernel
+    launcher[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                                  num_stages=config.num_stages)
+
+
+def pick_key(tunable: Tunable, T, dtype, meta: dict, either: bool):
+    """The launch's key in `TILE_PICKS`; None for a traced launch with a symbolic T (inductor autotunes it)."""
+    if not isinstance(T, int):
+        return None
+    return TILE_PICKS.key(tunable.kernel.__name__, "either" if either else "pointers", T, dtype, meta)
+
+
+def _run_tuned(tunable: Tunable, grid, args, meta: dict, *, T, dtype, either: bool, traced: bool) -> None:
+    """Launch a native kernel with its picked tile, or autotune it (over TMA loads too when `either`)."""
+    if INTERPRET:
+        _run(tunable.kernel, grid, args, {**meta, "TMA": False}, INTERPRETER_CONFIG, traced)
+        return
+    key = pick_key(tunable, T, dtype, meta, either)
+    picked = TILE_PICKS.get(key) if key is not None else None
+    if picked is not None:
+        _run(tunable.kernel, grid, args, meta, picked, traced)
+        return
+    tuner = tunable.either if either else tunable.pointers
+    if traced:
+        wrap_triton(tuner)[grid](*args, **meta)
+        return
+    tuner[grid](*args, **meta)
+    if key is not None:
+        TILE_PICKS.record(key, tuner.best_config)
+
+
+def _scratch(size: int, alignment: int, stream):
+    # torch's caching allocator hands out 512-byte aligned blocks, above the 128 bytes descriptors ask
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def _allow_device_descriptors() -> None:
+    """TMA descriptors made in a kernel need global scratch from `triton.set_allocator`, a per-thread setting
+    (autograd runs the backward on a thread of its own). Inductor sets its own for the launches it makes."""
+    triton.set_allocator(_scratch)
+
+
+# -- memory -----------------------------------------------------------------------------------------------------------
+
+def _address(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a fake tensor, while torch.compile traces: storages start 16-byte aligned
+        return t.storage_offset() * t.element_size()
+
+
+def tma_streamable(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can stream these (B, H, T, D) tensors' rows: one descriptor per head needs its base address and
+    row stride 16-byte aligned (a model's heads are; a slice at an odd offset is not)."""
+    return all(_address(t) % 16 == 0 and t.stride(3) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:3])
+               for t in tensors)
+
+
+def empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty (B, H, T, D) tensor in `t`'s memory order: (B, T, H, D) when `t` is a model's heads viewed out of
+    its (B, T, H·D) activations (the model's transpose back is then free, as with SDPA), else contiguous."""
+    B, H, T, D = t.shape
+    if t.stride(1) < t.stride(2):
+        return t.new_empty(B, T, H, D, dtype=dtype).transpose(1, 2)
+    return t.new_empty(B, H, T, D, dtype=dtype)
+
+
+def fresh_stat_targets(num_heads: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed counters (H, 3) int64 and maxima (H,) at -inf for the forward kernel's statistics to add to."""
+    return (torch.zeros(num_heads, 3, dtype=torch.int64, device=device),
+            torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _strides(t):
+    return t.stride()[:3]
+
+
+def _last_dim_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _tma_candidates(spec: KernelSpec, head_dim: int, *streamed: torch.Tensor) -> bool:
+    """Whether the autotuner also tries TMA loads: native kernels on a GPU, at head dims where TMA measured faster."""
+    return (spec.native and not INTERPRET and options.current().tma and head_dim >= TMA_MIN_HEAD_DIM
+            and tma_streamable(*streamed))
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def hopper_forward_tile(spec: KernelSpec, q, k, v, stats: bool):
+    """The Gluon forward's tile for this call (`hopper.FORWARD_TILES`), or None for the Triton forward: on sm_90,
+    production FA2 numerics, plain or SFA, with or without the statistics, TMA-streamable rows."""
+    if hopper is None or INTERPRET or not spec.native or not options.current().hopper_forward or not q.is_cuda:
+        return None
+    choice = hopper.FORWARD_TILES.get((q.shape[-1], spec.stab == 1 or stats))
+    if choice is None or q.shape[-2] < choice.min_seq_len or spec.stab == 2 or spec.out_dtype != q.dtype:
+        return None
+    if not _is_hopper(q.device.index) or not tma_streamable(q, k, v):
+        return None
+    return choice.tile
+
+
+@functools.cache
+def _hopper_constants(name: str, head_dim: int, dtype: torch.dtype, causal: bool, tile, stats: bool):
+    """The Gluon forward's compile-time arguments and launch config for one spec (built once: layouts included)."""
+    spec = spec_named(name)
+    constants = hopper.constants(head_dim, dtype, causal, tile, stab=spec.stab, beta=spec.beta, low=spec.low,
+                                 high=spec.high, bounded=spec.bounded, stats=stats)
+    return constants, triton.Config({}, num_warps=tile.warps)
+
+
+# -- forward and backward ---------------------------------------------------------------------------------------------
+
+def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_eps: float, stat_targets=None,
+            traced: bool = False):
+    """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,3) int64, max (H,) fp32).
+
+    lse is in the kernels' units (base 2 natively, natural under emulation): only the backward reads it. With
+    `stats`, per head: rows with a repeated maximum, P̄ = 1 entries and rows seen, and the largest score, added to
+    `stat_targets` = (counts, max) where given (`AttentionStats.kernel_targets`: the running totals themselves),
+    else to fresh zeros and -inf; without `stats` both are empty."""
+    spec = spec_named(name)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    B, H, T, D = q.shape
+    out = empty_in_layout_of(q, spec.out_dtype)
+    o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else out.new_empty(0)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    if stats:
+        counts, smax = stat_targets if stat_targets is not None else fresh_stat_targets(H, q.device)
+    else:
+        counts = torch.empty(0, dtype=torch.int64, device=q.device)
+        smax = torch.empty(0, dtype=torch.float32, device=q.device)
+    eps = spec.eps if spec.stab == 1 else stats_eps * spec.units
+    args = (q, k, v, out, lse, counts, smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T,
+            scale * spec.units, eps)
+    launch = dict(HEAD_DIM=D, CAUSAL=causal, STATS=stats)
+
+    if not spec.native:
+        args = (*args[:4], o_saved if spec.save_fp32_o else out, *args[4:], spec.logical_n)
+        _run(emulation.attn_fwd, lambda m: (_ceil_div(T, m["BLOCK_M"]), B * H), args,
+             {**spec.forward_constants, **launch}, emulation_config(spec.ops_fp32, D), traced)
+        return out, o_saved, lse, counts, smax
+    tile = None if traced else hopper_forward_tile(spec, q, k, v, stats)  # traced: `ops` runs it as an opaque op
+    if tile is not None:
+        _allow_device_descriptors()
+        constants, config = _hopper_constants(name, D, q.dtype, causal, tile, stats)
+        _run(hopper.attn_fwd, lambda _: hopper.grid(B * H, T, tile), args, constants, config, traced)
+        return out, o_saved, lse, counts, smax
+    meta = {**spec.forward_constants, **launch}
+    either = _tma_candidates(spec, D, k, v)
+    if either and not traced:
+        _allow_device_descriptors()
+
+    def grid(m):  # (heads, query tiles) for SFA's native kernel (see `KernelSpec.forward_constants`)
+        tiles = _ceil_div(T, m["BLOCK_M"])
+        return (B * H, tiles) if meta["HEADS_FIRST"] else (tiles, B * H)
+
+    _run_tuned(NATIVE_FWD, grid, args, meta, T=T, dtype=q.dtype, either=either, traced=traced)
+    return out, o_saved, lse, counts, smax
+
+
+def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str, traced: bool = False):
+    """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads."""
+    spec = spec_named(name)
+    q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
+    B, H, T, D = q.shape
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+    delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    dq = empty_in_layout_of(q, q.dtype)
+    dk = empty_in_layout_of(k, k.dtype)
+    dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
+    # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
+    dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
+               scale * spec.units, scale)
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * spec.units, scale)
+    launch = dict(HEAD_DIM=D, CAUSAL=causal)
+
+    def rows(m):
+        return _ceil_div(T, m["BLOCK_M"]), B * H
+
+    def cols(m):
+        return _ceil_div(T, m["BLOCK_N"]), B * H
+
+    if spec.native:
+        either = _tma_candidates(spec, D, q, k, v, dout)
+        if either and not traced:
+            _allow_device_descriptors()
+        _run_tuned(NATIVE_DQ, rows, dq_args, launch, T=T, dtype=q.dtype, either=either, traced=traced)
+        _run_tuned(NATIVE_DKDV, cols, dkdv_args, launch, T=T, dtype=q.dtype, either=either, traced=traced)
+        return dq, dk, dv
+    config = emulation_config(spec.ops_fp32, D)
+    if spec.delta_constants is not None:
+        _run(emulation.attn_bwd_delta_dpp, rows, (q, k, v, dout, lse, delta, *strides, H, T, scale, spec.logical_n),
+             {**spec.delta_constants, **launch}, config, traced)
+    _run(emulation.attn_bwd_dq, rows, (*dq_args, spec.logical_n), {**spec.dq_constants, **launch}, config, traced)
+    _run(emulation.attn_bwd_dkdv, cols, (*dkdv_args, spec.logical_m), {**spec.dkdv_constants, **launch}, config,
+         traced)
+    return dq, dk, dv

@@ -1,0 +1,306 @@
+"""The native kernels: FlashAttention-2 with production numerics, in the Triton tutorial's shape.
+
+fp32 statistics and accumulators, P̄ and dS cast to the input dtype for the tensor-core matmuls, scores in base-2
+units so that the exponentials are `exp2` (the launcher folds log2(e) into the scale). Three kernels: the forward,
+and the backward's dQ (which also writes δ = rowsum(dO ∘ O)) and dK/dV, launched in that order.
+
+Compile-time features, none paid for when off: `STAB` 0 plain, 1 SFA (the seed's Algorithm 3 per key tile, bounded
+or not), 2 ClampPbar; `STATS` adds the per-head counters of `AttentionStats`; `TMA` streams key tiles (forward, dQ)
+or query tiles (dK/dV) by tensor descriptors, which the autotuner may choose at D >= 128 (`tuning`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from stableflash.attention.triton.common import (
+    add_stats,
+    cast,
+    dot,
+    fp32,
+    head_offset,
+    load_lse,
+    load_rows,
+    mul_rn,
+    sfa_max,
+    shift,
+    store_rows,
+    top2,
+    visible,
+)
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _head_rows(X, x_off, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Under TMA, a tensor descriptor of one head's (T, HEAD_DIM) rows in blocks of ROWS (rows past T read as 0);
+    else X itself. Descriptors need global scratch: `triton.set_allocator`."""
+    if TMA:
+        d = tl.make_tensor_descriptor(X + x_off, [T, HEAD_DIM], [stride_t, 1], [ROWS, HEAD_DIM])
+    else:
+        d = X
+    return d
+
+
+@triton.jit
+def _tile_rows(X, x_off, start, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
+               MASKED: tl.constexpr = True):
+    """Rows start..start+ROWS of one head (from its descriptor under TMA, else through pointers X + x_off); rows
+    past T read as 0 unless the caller knows there are none (MASKED False)."""
+    if TMA:
+        t = X.load([start, 0])
+    elif MASKED:
+        t = load_rows(X + x_off, start + tl.arange(0, ROWS), stride_t, T, HEAD_DIM)
+    else:
+        t = tl.load(X + x_off + (start + tl.arange(0, ROWS))[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :])
+    return t
+
+
+# -- forward ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
+              smax, eps, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+              STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+              BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TMA: tl.constexpr):
+    """One key tile of the online softmax.
+
+    Scores are scaled (and rounded: `mul_rn`) before their maximum, so that the row's maximum gives exp2(0) = 1
+    exactly; FA2's CUDA kernel folds the scale into the exponent's FMA instead, which overflows at scores of ~2^31."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if TMA:
+        kt = tl.trans(K.load([start_n, 0]))
+    else:  # Kᵀ loaded as such
+        kt_ptrs = K + k_off + offs_n[None, :] * stride_kt + tl.arange(0, HEAD_DIM)[:, None]
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < T, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+    s = mul_rn(dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), False), scale)
+    if MASKED:  # the diagonal (causal) or the ragged end: the only tiles that need a mask
+        valid = offs_n[None, :] < T
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        s = tl.where(valid, s, float("-inf"))
+    if STATS or STAB == 1:
+        # a row repeats its maximum (within eps) iff its second largest score is that close: one pair reduction in
+        # place of the maximum and a count; neighbouring columns paired first (a pair's top two are its max and min)
+        a, b = tl.split(tl.reshape(s, (s.shape[0], s.shape[1] // 2, 2)))
+        rm, r2 = tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, top2)
+        near_row = (r2 >= rm - eps) & (rm > float("-inf"))
+    else:
+        rm = tl.max(s, 1)
+    if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
+        smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
+        repeated = tl.maximum(repeated, near_row.to(tl.int32))
+    tile_max = rm
+    if STAB == 1:
+        rm = sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
+    m_new = tl.maximum(m, rm)
+    m_shift = shift(m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    if STAB == 2:
+        p = tl.minimum(p, CLAMP_CEIL)
+    p_op = cast(p, q.dtype)
+    if STATS:
+        # P̄ rounds to 1 only within ~0.003 (base 2) of the shift: unless some row's second largest score is that
+        # close, only each row's maximum can, and one exp2 per row decides it (the same value as its entry of p)
+        if tl.max((r2 >= m_shift - 0.01).to(tl.int32), 0) > 0:
+            ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
+        else:
+            top = tl.math.exp2(tile_max - m_shift)
+            if STAB == 2:
+                top = tl.minimum(top, CLAMP_CEIL)
+            ones += (cast(top, q.dtype) == 1.0).to(tl.int32)
+    alpha = tl.math.exp2(m - m_shift)
+    l = l * alpha + tl.sum(p, 1)
+    v = _tile_rows(V, v_off, start_n, stride_vt, T, BLOCK_N, HEAD_DIM, TMA, MASKED)
+    acc = dot(p_op, v, acc * alpha[:, None], False)
+    return m_new, l, acc, repeated, ones, smax
+
+
+@triton.jit
+def attn_fwd(
+    Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_ot, H, T, scale, eps,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+    BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr,
+):
+    """O and the base-2 lse of one query tile; `scale` and `eps` in base-2 units."""
+    scale, eps = fp32(scale), fp32(eps)
+    if HEADS_FIRST:  # grid (heads, query tiles), every head's heaviest causal tile first (SFA: measured faster)
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1) if CAUSAL else tl.program_id(1)
+        bh = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+    k_off = head_offset(bh, H, stride_kb, stride_kh)
+    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    repeated = tl.zeros((BLOCK_M,), tl.int32)  # the statistics, per row until the end
+    ones = tl.zeros((BLOCK_M,), tl.int32)
+    smax = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+
+    KS = _head_rows(K, k_off, stride_kt, T, BLOCK_N, HEAD_DIM, TMA)
+    VS = _head_rows(V, v_off, stride_vt, T, BLOCK_N, HEAD_DIM, TMA)
+    # key tiles left of the diagonal (causal) or before the ragged end need no mask
+    free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+    for start_n in range(0, free, BLOCK_N):
+        m, l, acc, repeated, ones, smax = _fwd_tile(
+            q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones, smax,
+            eps, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA)
+    for start_n in range(free, hi, BLOCK_N):
+        m, l, acc, repeated, ones, smax = _fwd_tile(
+            q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones, smax,
+            eps, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA)
+
+    empty = m == float("-inf")  # rows that see no key: O = 0, lse = -inf
+    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
+    store_rows(O + head_offset(bh, H, stride_ob, stride_oh), o, offs_m, stride_ot, T, HEAD_DIM)
+    row_ok = offs_m < T
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, tl.where(empty, float("-inf"), m + tl.math.log2(l)), mask=row_ok)
+    if STATS:
+        add_stats(STAT_COUNTS, STAT_MAX, bh % H, repeated, ones, smax, row_ok, tl.minimum(T - pid_m * BLOCK_M, BLOCK_M),
+                  _LOG2E)
+
+
+# -- backward --------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _probs(q, k, lse, offs_m, offs_n, T, scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """P for one (queries, keys) tile, recomputed from the saved base-2 lse."""
+    qk = dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), False)
+    # P <= 1 exactly; with scores ~1e11 the recomputed S can exceed the saved lse by a few fp32 ulps
+    p = tl.math.exp2(tl.minimum(qk * scale - lse[:, None], 0.0))
+    if MASKED:
+        p = tl.where(visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
+    return p
+
+
+@triton.jit
+def _probs_t(k, q, lse, offs_n, offs_m, T, scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """Pᵀ for one (keys, queries) tile: the dK/dV kernel's orientation of `_probs`."""
+    qkt = dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), False)
+    pt = tl.math.exp2(tl.minimum(qkt * scale - lse[None, :], 0.0))
+    if MASKED:
+        valid = (offs_m[None, :] < T) & (offs_n[:, None] < T)
+        if CAUSAL:
+            valid = valid & (offs_m[None, :] >= offs_n[:, None])
+        pt = tl.where(valid, pt, 0.0)
+    return pt
+
+
+@triton.jit
+def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+             TMA: tl.constexpr):
+    k = _tile_rows(K, k_off, start_n, stride_kt, T, BLOCK_N, HEAD_DIM, TMA)
+    v = _tile_rows(V, v_off, start_n, stride_vt, T, BLOCK_N, HEAD_DIM, TMA)
+    p = _probs(q, k, lse, offs_m, start_n + tl.arange(0, BLOCK_N), T, qk_scale, CAUSAL, MASKED)
+    dp = dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), False)
+    ds = p * (dp - delta[:, None])
+    return dot(cast(ds, k.dtype), k, dq, False)
+
+
+@triton.jit
+def attn_bwd_dq(
+    Q, K, V, DO, O, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
+    H, T, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+):
+    """dQ (strides `stride_g*`) of one query tile, over the key tiles it sees. It first computes its rows'
+    δ = rowsum(dO ∘ O) and stores it for the dK/dV kernel, launched after it: one launch fewer than a δ pass."""
+    qk_scale, scale = fp32(qk_scale), fp32(scale)
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    k_off = head_offset(bh, H, stride_kb, stride_kh)
+    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    row_off = bh.to(tl.int64) * T
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
+    o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # before Q is loaded: fewer tiles live at once
+    tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
+    lse = load_lse(LSE + row_off, offs_m, T)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+
+    KS = _head_rows(K, k_off, stride_kt, T, BLOCK_N, HEAD_DIM, TMA)
+    VS = _head_rows(V, v_off, stride_vt, T, BLOCK_N, HEAD_DIM, TMA)
+    free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+    for start_n in range(0, free, BLOCK_N):
+        dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+                      dq, BLOCK_N, HEAD_DIM, CAUSAL, False, TMA)
+    for start_n in range(free, hi, BLOCK_N):
+        dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
+                      dq, BLOCK_N, HEAD_DIM, CAUSAL, True, TMA)
+    store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq * scale, offs_m, stride_gt, T, HEAD_DIM)
+
+
+@triton.jit
+def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt, stride_dot, qk_scale,
+               dk, dv, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               TMA: tl.constexpr):
+    """One query tile's share of dK and dV."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _tile_rows(Q, q_off, start_m, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
+    do = _tile_rows(DO, do_off, start_m, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
+    lse = load_lse(LSE + row_off, offs_m, T)
+    delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
+    pt = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, CAUSAL, MASKED)
+    dv = dot(cast(pt, do.dtype), do, dv, False)
+    dpt = dot(v, tl.trans(do), tl.zeros((v.shape[0], BLOCK_M), tl.float32), False)
+    dst = pt * (dpt - delta[None, :])
+    return dot(cast(dst, q.dtype), q, dk, False), dv
+
+
+@triton.jit
+def attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, T, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+):
+    """dK and dV (both with strides `stride_g*`) of one key tile, over the query tiles that see it."""
+    qk_scale, scale = fp32(qk_scale), fp32(scale)
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    q_off = head_offset(bh, H, stride_qb, stride_qh)
+    do_off = head_offset(bh, H, stride_dob, stride_doh)
+    row_off = bh.to(tl.int64) * T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = load_rows(K + head_offset(bh, H, stride_kb, stride_kh), offs_n, stride_kt, T, HEAD_DIM)
+    v = load_rows(V + head_offset(bh, H, stride_vb, stride_vh), offs_n, stride_vt, T, HEAD_DIM)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+
+    QS = _head_rows(Q, q_off, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
+    DOS = _head_rows(DO, do_off, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
+    # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
+    lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
+    free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
+    for start_m in range(lo, diag_end, BLOCK_M):
+        dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+                            stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, TMA)
+    for start_m in range(diag_end, free_end, BLOCK_M):
+        dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+                            stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, False, TMA)
+    for start_m in range(free_end, T, BLOCK_M):
+        dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+                            stride_dot, qk_scale, dk, dv, BLOCK_M, HEAD_DIM, CAUSAL, True, TMA)
+    out = head_offset(bh, H, stride_gb, stride_gh)
+    store_rows(DK + out, dk * scale, offs_n, stride_gt, T, HEAD_DIM)
+    store_rows(DV + out, dv, offs_n, stride_gt, T, HEAD_DIM)

@@ -1,0 +1,48 @@
+"""`KernelOptions`: the one set of switches a user may change about how the fused kernels launch.
+
+Neither changes the policy: both choose between implementations of the native (production FA2) numerics, each
+measured faster where it is on. Turn one off to compare, or to rule it out when something looks wrong:
+
+    from stableflash.attention.triton import kernel_options
+    with kernel_options(hopper_forward=False):
+        out = flash_attention(q, k, v, backend="triton")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    hopper_forward: bool = True
+    """On sm_90, the Gluon forward (`hopper.py`) where `hopper.FORWARD_TILES` has a tile for the call."""
+    tma: bool = True
+    """At head dims >= 128, let the autotuner also try streaming tiles by TMA (`tuning.TMA_MIN_HEAD_DIM`)."""
+
+
+_current = KernelOptions()
+
+
+def current() -> KernelOptions:
+    return _current
+
+
+def set_kernel_options(**changes) -> KernelOptions:
+    """Change the options for this process; returns the previous ones. A TypeError names an unknown option."""
+    global _current
+    previous = _current
+    _current = dataclasses.replace(_current, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def kernel_options(**changes):
+    """The options changed inside the block, restored after it."""
+    previous = set_kernel_options(**changes)
+    try:
+        yield _current
+    finally:
+        set_kernel_options(**dataclasses.asdict(previous))
