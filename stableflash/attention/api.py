@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
 import torch
 import torch.nn.functional as F
 
+from stableflash.attention import stabilize as stabilizers
 from stableflash.attention.mask import Visibility
 from stableflash.attention.precision import Precision, resolve
 from stableflash.attention.reference import reference_attention
@@ -171,7 +173,7 @@ def flash_attention(
                      key_padding=key_padding_mask) if extended else None
     if backend == "auto":
         backend = "reference"
-        if not extended and triton_available(q) and _triton_supports(policy, stabilize, q.dtype):
+        if not extended and triton_available(q) and _triton_supports(policy.key, stabilizers.key_of(stabilize), q.dtype):
             backend = "triton"
     if extended:
         if backend == "triton":
@@ -205,7 +207,12 @@ def flash_attention(
 
 
 @torch.compiler.assume_constant_result
-def _triton_supports(policy: Precision, stabilize, dtype: torch.dtype) -> bool:
-    """Under torch.compile evaluated once, at trace time: its result is a constant of the graph."""
+def _triton_supports(policy_key: str, stabilize_key: str | None, dtype: torch.dtype) -> bool:
+    """Under torch.compile evaluated once, at trace time (by the keys: dynamo cannot pass dataclass instances)."""
+    return _supports_by_key(policy_key, stabilize_key, dtype)
+
+
+@functools.lru_cache(maxsize=1024)  # asked on every `backend="auto"` call on CUDA
+def _supports_by_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype) -> bool:
     from stableflash.attention import triton as triton_backend
-    return triton_backend.supports_policy(policy, stabilize, dtype)
+    return triton_backend.supports_policy(Precision.from_key(policy_key), stabilizers.from_key(stabilize_key), dtype)

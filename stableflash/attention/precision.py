@@ -24,6 +24,7 @@ policy: `tiling_off()`, `with_delta(...)`, `with_pv_fp32()`, `with_o_fp32()`,
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -128,6 +129,36 @@ class Precision:
 
     def __post_init__(self):
         self._validate()
+        object.__setattr__(self, "_key", json.dumps(self._record(), sort_keys=True))
+
+    @property
+    def key(self) -> str:
+        """The policy as a string (`from_key` inverts it): what torch.compile can hold as a constant where a
+        function is evaluated at trace time (it cannot pass a dataclass instance to one)."""
+        key = getattr(self, "_key", None)
+        if key is None:  # unpickled from an earlier version
+            key = json.dumps(self._record(), sort_keys=True)
+            object.__setattr__(self, "_key", key)
+        return key
+
+    @classmethod
+    def from_key(cls, key: str) -> Precision:
+        return cls._from_record(json.loads(key))
+
+    def _record(self) -> dict:
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        record["rounding_sites"] = list(self.rounding_sites)
+        if self.head_override is not None:
+            record["head_override"] = [list(self.head_override[0]), self.head_override[1]._record()]
+        return record
+
+    @classmethod
+    def _from_record(cls, record: dict) -> Precision:
+        record = {**record, "rounding_sites": tuple(record["rounding_sites"])}
+        if record["head_override"] is not None:
+            heads, other = record["head_override"]
+            record["head_override"] = (tuple(heads), cls._from_record(other))
+        return cls(**record)
 
     def __hash__(self):
         # computed once: the kernels' registry and caches hash the policy on every eager call

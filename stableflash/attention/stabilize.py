@@ -7,6 +7,8 @@ row with repeated maxima, which is what triggers the biased bf16 rounding in P̄
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -56,6 +58,7 @@ class SFA:
             raise ValueError(f"SFA.max_shift: expected a number > 0, got {self.max_shift!r}")
         if self.official_rule and self.bounded:
             raise ValueError("SFA.official_rule: the official rule is unbounded; use SFA.official() or bounded=False")
+        object.__setattr__(self, "_key", _key(self))  # computed here: traced code only reads it (`key_of`)
 
     @classmethod
     def official(cls, beta: float = 2.0, eps: float = 1e-3) -> SFA:
@@ -99,6 +102,7 @@ class ClampPbar:
     def __post_init__(self):
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
             raise ValueError(f"ClampPbar.eps: expected a number >= 0, got {self.eps!r}")
+        object.__setattr__(self, "_key", _key(self))
 
     @staticmethod
     def ceiling(pbar_format: Format) -> float:
@@ -124,6 +128,28 @@ def from_config(cfg) -> SFA | ClampPbar | None:
         "sfa-unbounded": lambda: SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps, bounded=False),
         "clamp": lambda: ClampPbar(eps=cfg.sfa_eps),
     }[cfg.stabilize]()
+
+
+def key_of(stabilize) -> str | None:
+    """A stabilizer as a string (`from_key` inverts it), for the places torch.compile needs a constant."""
+    if stabilize is None:
+        return None
+    key = getattr(stabilize, "_key", None)
+    if key is None:  # unpickled from an earlier version
+        key = _key(stabilize)
+        object.__setattr__(stabilize, "_key", key)
+    return key
+
+
+def _key(stabilize) -> str:
+    return json.dumps({"kind": type(stabilize).__name__, **dataclasses.asdict(stabilize)}, sort_keys=True)
+
+
+def from_key(key: str | None):
+    if key is None:
+        return None
+    record = json.loads(key)
+    return {"SFA": SFA, "ClampPbar": ClampPbar}[record.pop("kind")](**record)
 
 
 def check_stabilize(stabilize) -> Stabilizer | None:

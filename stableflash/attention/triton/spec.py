@@ -5,10 +5,10 @@ for every elementwise operation between sites, where the reference rounds to the
 of production FA2 (the `fa2` preset, its tiles included) runs the native kernels (`native.py`, `hopper.py`); every
 other supported policy the emulation kernels (`emulation.py`).
 
-`spec_name(policy, stabilize, dtype, head_dim, seq_len)` validates and builds a spec once per argument tuple (the
-`Precision` and stabilizer are hashable) and returns its name, a string: what the `torch.library` ops can carry.
-Under torch.compile it runs once at trace time and its result is a constant of the graph. `spec_named` maps the name
-back.
+`spec_name(policy, stabilize, dtype, head_dim, seq_len)` validates and builds a spec once per argument tuple and
+returns its name, a string: what the `torch.library` ops can carry. Under torch.compile it runs once, at trace time,
+and its result is a constant of the graph; for that it takes the policy and stabilizer by their `key` strings, as
+dynamo cannot pass dataclass instances to such a function. `spec_named` maps the name back.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stableflash.attention import stabilize as stabilizers
 from stableflash.attention.precision import PRESETS, SITES, Precision
 from stableflash.attention.stabilize import SFA, ClampPbar
 from stableflash.numerics.formats import get_format
@@ -170,19 +171,26 @@ def is_native(policy: Precision, dtype: torch.dtype) -> bool:
 _REGISTRY: dict[str, KernelSpec] = {}
 
 
-@torch.compiler.assume_constant_result
 def spec_name(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
     """The name of the kernels' specialisation for these arguments, validated, built and registered once; a
     ValueError names the argument the kernels cannot take."""
-    return _build(policy, stabilize, dtype, head_dim, seq_len)
+    return _spec_name(policy.key, stabilizers.key_of(stabilize), dtype, head_dim, seq_len)
 
 
 def spec_named(name: str) -> KernelSpec:
     return _REGISTRY[name]
 
 
+@torch.compiler.assume_constant_result
+def _spec_name(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+    # by the policy's and stabilizer's keys: under torch.compile this runs once, at trace time, and dynamo cannot
+    # pass dataclass instances to it
+    return _build(policy_key, stabilize_key, dtype, head_dim, seq_len)
+
+
 @functools.lru_cache(maxsize=1024)
-def _build(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+def _build(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+    policy, stabilize = Precision.from_key(policy_key), stabilizers.from_key(stabilize_key)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"q: the triton backend supports head dims {HEAD_DIMS}, got {head_dim}")
     reason = unsupported_reason(policy, stabilize, dtype)
