@@ -15,6 +15,7 @@ import triton
 from torch.library import wrap_triton
 
 from stableflash.attention.triton import emulation, options
+from stableflash.attention.triton.compiled import COMPILED
 from stableflash.attention.triton.spec import INTERPRET, KernelSpec, spec_named
 from stableflash.attention.triton.tuning import (
     INTERPRETER_CONFIG,
@@ -36,10 +37,14 @@ except ImportError:
 # -- launching ---------------------------------------------------------------------------------------------------------
 
 def _run(kernel, grid, args, meta: dict, config: triton.Config, traced: bool) -> None:
-    """Launch `kernel` with a fixed tile."""
-    launcher = wrap_triton(kernel) if traced else kernel
-    launcher[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
-                                  num_stages=config.num_stages)
+    """Launch `kernel` with a fixed tile: traced, through `wrap_triton`; eagerly on a GPU, through the compiled
+    kernel once Triton has compiled it (`compiled.py`)."""
+    if traced or INTERPRET:
+        launcher = wrap_triton(kernel) if traced else kernel
+        launcher[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                                      num_stages=config.num_stages)
+    else:
+        COMPILED.launch(kernel, grid, args, meta, config)
 
 
 def pick_key(tunable: Tunable, T, dtype, meta: dict, either: bool):
@@ -75,7 +80,8 @@ def _scratch(size: int, alignment: int, stream):
 
 def _allow_device_descriptors() -> None:
     """TMA descriptors made in a kernel need global scratch from `triton.set_allocator`, a per-thread setting
-    (autograd runs the backward on a thread of its own). Inductor sets its own for the launches it makes."""
+    (autograd runs the backward on a thread of its own). Set wherever TMA may run, traced too: a traced op also
+    runs eagerly (e.g. under `torch.library.opcheck`)."""
     triton.set_allocator(_scratch)
 
 
@@ -194,7 +200,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
         return out, o_saved, lse, counts, smax
     meta = {**spec.forward_constants, **launch}
     either = _tma_candidates(spec, D, k, v)
-    if either and not traced:
+    if either:
         _allow_device_descriptors()
 
     def grid(m):  # (heads, query tiles) for SFA's native kernel (see `KernelSpec.forward_constants`)
@@ -229,7 +235,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
 
     if spec.native:
         either = _tma_candidates(spec, D, q, k, v, dout)
-        if either and not traced:
+        if either:
             _allow_device_descriptors()
         _run_tuned(NATIVE_DQ, rows, dq_args, launch, T=T, dtype=q.dtype, either=either, traced=traced)
         _run_tuned(NATIVE_DKDV, cols, dkdv_args, launch, T=T, dtype=q.dtype, either=either, traced=traced)

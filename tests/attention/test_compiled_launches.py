@@ -1,0 +1,82 @@
+"""The eager launch seam (`triton/compiled.py`) with stand-in kernels: no GPU needed.
+
+The first launch of a specialisation goes through the kernel's `kernel[grid](...)`; later ones through the compiled
+kernel with every parameter's value in the kernel's order, which is how `JITFunction.run` launches it."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from stableflash.attention.triton import compiled  # noqa: E402
+
+
+class StandInKernel:
+    """A JIT function's parameters, and a `kernel[grid](...)` that records the call and returns a compiled kernel
+    whose own `compiled[grid](*values)` records the launch."""
+
+    def __init__(self, names, defaults):
+        self.arg_names = list(names)
+        self.params = [SimpleNamespace(name=n, has_default=n in defaults, default=defaults.get(n)) for n in names]
+        self.calls, self.launches = [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return StandInCompiled(self)
+        return run
+
+
+class StandInCompiled:
+    def __init__(self, owner):
+        self.owner = owner
+
+    def __getitem__(self, grid):
+        return lambda *values: self.owner.launches.append((grid, values))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    monkeypatch.setattr(compiled, "_device", lambda: 0)
+    return compiled.CompiledLaunches()
+
+
+def _kernel():
+    return StandInKernel(["X", "T", "scale", "HEAD_DIM", "BLOCK_M", "CAUSAL", "EXTRA"], {"CAUSAL": True, "EXTRA": 7})
+
+
+def test_the_first_launch_compiles_and_later_ones_pass_every_value_in_order(launches):
+    kernel = _kernel()
+    config = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)
+    x = torch.zeros(64)
+
+    def grid(tile):
+        return (100 // tile["BLOCK_M"] + 1, 3)
+
+    for scale in (0.5, 0.25):  # floats are runtime values: the same specialisation
+        launches.launch(kernel, grid, (x, 100, scale), {"HEAD_DIM": 16}, config)
+    assert len(kernel.calls) == 1
+    assert kernel.calls[0][2] == {"HEAD_DIM": 16, "BLOCK_M": 64, "num_warps": 4, "num_stages": 2}
+    assert kernel.launches == [((2, 3, 1), (x, 100, 0.25, 16, 64, True, 7))]
+
+
+def test_what_triton_specialises_on_gives_a_new_entry(launches):
+    kernel = _kernel()
+    config = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)
+    grid = lambda tile: (1, 1)  # noqa: E731
+    base = torch.zeros(64)
+    for args, meta in [((base, 100, 1.0), {"HEAD_DIM": 16}), ((base, 101, 1.0), {"HEAD_DIM": 16}),
+                       ((base.half(), 100, 1.0), {"HEAD_DIM": 16}), ((base[1:], 100, 1.0), {"HEAD_DIM": 16}),
+                       ((base, 100, 1.0), {"HEAD_DIM": 32})]:
+        launches.launch(kernel, grid, args, meta, config)
+    assert len(launches) == 5 and len(kernel.calls) == 5 and kernel.launches == []
+    launches.launch(kernel, grid, (base, 100, 1.0), {"HEAD_DIM": 16}, triton.Config({"BLOCK_M": 32}, num_warps=4))
+    assert len(launches) == 6  # another tile
+
+
+def test_a_parameter_left_without_a_value_is_named(launches):
+    kernel = StandInKernel(["X", "HEAD_DIM", "BLOCK_M"], {})
+    with pytest.raises(KeyError, match="HEAD_DIM"):
+        compiled.trailing_values(kernel, 1, {}, triton.Config({"BLOCK_M": 64}))
