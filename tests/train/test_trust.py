@@ -137,8 +137,8 @@ def test_threads_are_recorded_fixed_and_checked_on_resume(tmp_path, tiny):
     assert warnings and "not bit-exact" in warnings[0]["message"]
 
 
-@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 not a whole zip", random.Random(0).randbytes(512)], ids=["empty", "truncated",
-                                                                                             "random"])
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 not a whole zip", random.Random(0).randbytes(512)],
+                         ids=["empty", "truncated", "random"])
 def test_a_broken_checkpoint_is_named(tmp_path, tiny, capsys, content):
     run = tmp_path / "run"
     train(tiny("run.max_steps=2"), run)
