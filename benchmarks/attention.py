@@ -3,8 +3,8 @@
 Causal, bf16. Forward FLOPs 4·B·H·T²·D/2, forward+backward 3.5x that; median of
 `triton.testing.do_bench` over fresh random inputs. Prints a table and writes JSON:
 
-    python benchmarks/attention.py --out results/attention-bench-h200.json
-    python benchmarks/attention.py --summary results/attention-bench-h200.json   # the ratio table again, no GPU
+    python benchmarks/attention.py --out results/attention-bench/attention-bench-h200.json
+    python benchmarks/attention.py --summary results/attention-bench/attention-bench-h200.json   # the ratio table again, no GPU
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def measure(fn, shape, mode: str) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("results/attention-bench-h200.json"))
+    parser.add_argument("--out", type=Path, default=Path("results/attention-bench/attention-bench-h200.json"))
     parser.add_argument("--impls", default=None, help="comma-separated subset of the implementations")
     parser.add_argument("--shapes", default=None, help="e.g. 16,12,1024,64;4,12,4096,64")
     parser.add_argument("--summary", type=Path, default=None, help="print the ratio table of this JSON and exit")

@@ -200,16 +200,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args()
-    for path in sorted(args.results.glob("sweep-*/sweep.json")):
+    for path in sorted(args.results.glob("**/sweep-*/sweep.json")):
         print(plot_sweep(path))
-    for path in sorted(args.results.glob("attention-bench-*.json")):
+    for path in sorted([*args.results.glob("attention-bench/*.json"), *args.results.glob("kernel-library/attention-*.json")]):
         if (figure := plot_attention_bench(path)) is not None:
             print(figure)
-    for folder in sorted(p.parent for p in args.results.glob("multi-gpu-*/allreduce-*.json")):
+    for folder in sorted(p.parent for p in args.results.glob("**/multi-gpu-*/allreduce-*.json")):
         print(plot_multi_gpu(folder))
-    for path in sorted(args.results.glob("isolation-*/isolation-seeds.json")):
+    for path in sorted(args.results.glob("**/isolation-*/isolation-seeds.json")):
         print(*plot_isolation(path), sep="\n")
-    for run in sorted(p.parent for p in args.results.glob("probe-*/*/metrics.jsonl")):
+    for run in sorted(p.parent for p in args.results.glob("**/probe-*/*/metrics.jsonl")):
         print(plot_probe_run(run))
 
 

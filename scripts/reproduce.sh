@@ -5,7 +5,7 @@
 #
 #   scripts/reproduce.sh OUT [SEEDS]
 #
-# Expected (an H200, 2026-11-29; RESULTS.md "Reproduction status", results/isolation-bf16-lr3e-2): fp32 ends
+# Expected (an H200; results/repro-bf16-4l/README.md): fp32 ends
 # at 2.59-2.62 in every seed with no step of gradient norm above 100; bf16 at 2.9-4.0 (mean about 3.3) with
 # 99-311 such steps per seed, failing by the loss rule (final >= best + 1) in 0-2 of 3 seeds, so the
 # last line usually reads "not met"; bf16 with the forward in FA2 numerics at 2.66-2.74 with 0-1 such steps.

@@ -5,7 +5,7 @@ loss, whether it failed by the reproduction rule: final >= best + 1.0 or non-fin
 repeated-max share, peak W_Q spectral norm) into one JSON file, written after every
 run so a time-out keeps what finished. `--budget-s` stops starting new runs.
 
-    python scripts/sweep.py --out results/sweep-01 --grid "optim.lr=1e-2;optim.lr=3e-2" \\
+    python scripts/sweep.py --out results/failure-search/sweep-01 --grid "optim.lr=1e-2;optim.lr=3e-2" \\
         --settings paper,fp32,sdpa --seeds 0,1,2 --set model.n_layer=4 ...
 """
 

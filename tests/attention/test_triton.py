@@ -174,8 +174,7 @@ def _assert_finite_on_large_logits(head_dim=64, dtype=torch.bfloat16, **kw):
     if dtype == torch.bfloat16:
         cases.append((torch.full((1, 2, 64, head_dim), 133120.0, dtype=dtype), {}))
         # scores 2e11 to 8e11, one maximum per row, non-causal so that 64-key tiles need no mask: there Triton had
-        # contracted the forward's exp2(fl(qk * scale) - m) into exp2(fma(qk, scale, -m)), which overflows (NaN until
-        # 2026-11-30)
+        # contracted the forward's exp2(fl(qk * scale) - m) into exp2(fma(qk, scale, -m)), which overflows (NaN)
         rows = (2.0 ** 17 * (1 + torch.arange(64) / 64)).to(dtype)
         cases.append((rows[None, None, :, None].expand(1, 2, 64, head_dim).contiguous(), {"causal": False}))
     g = torch.Generator().manual_seed(1)
