@@ -94,3 +94,16 @@ def test_the_gluon_forwards_launches_compile_unserialised(head_dim, sfa, stats, 
     assert wgmma_serialization(compiled) is None
     usage = resource_usage(compiled)
     assert usage["spill_stack_bytes"] == 0 and usage["shared_bytes"] <= 232_448
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("variant", ["paper+pv-e8m4-tz", "paper+stats-e8m5-tz"])
+def test_narrow_formats_and_toward_zero_compile_for_sm90(variant, kernel):
+    """The e8mX and toward-zero roundings are integer operations on the fp32 bits: they compile for the GPU, and
+    the emulation kernels still round every product on its own."""
+    from stableflash.attention.triton.spec import emulated_variant
+
+    name = spec_name(emulated_variant(variant), None, torch.bfloat16, 64, 4096)
+    config = tuning.emulation_config(False, 64)
+    ptx = compile_kernel(name, kernel, constexprs(name, kernel, 64, config), config).asm["ptx"]
+    assert not re.findall(r"\bfma\.rn\.f32", ptx)

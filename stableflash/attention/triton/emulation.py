@@ -1,8 +1,8 @@
 """The emulation kernels: every rounding point of a `Precision`, as the reference (`attention.reference`) makes it.
 
 Each site and each elementwise operation between sites takes a compile-time rounding code `R_*` (`spec.KernelSpec`:
-0 keeps fp32, 1 rounds to bf16, 2 to fp16), and the policy's logical tiles (LT keys in the forward, LQ queries or LT
-keys in the backward) are built from physical tiles of `spec.PHYSICAL_TILE`. The forward makes two or three passes
+a format, fp32 to e8m3, and a mode, nearest-even or toward zero), and the policy's logical tiles (LT keys in the
+forward, LQ queries or LT keys in the backward) are built from physical tiles of `spec.PHYSICAL_TILE`. The forward makes two or three passes
 over each logical tile: its maximum, its near-maximum count (only for SFA or the statistics), then P̄ and P̄V.
 Exponentials are libdevice's `exp` in natural units, as torch computes them. Bit-equal to the reference is the aim
 and what the tests check; speed comes second.
@@ -32,13 +32,42 @@ from stableflash.attention.triton.common import (
 
 
 @triton.jit
+def _drop_bits(x, SHIFT: tl.constexpr, TOWARD_ZERO: tl.constexpr):
+    """fp32 rounded to SHIFT fewer fraction bits, to nearest-even or toward zero, kept fp32: a format with fp32's
+    (and bf16's) exponent. On the bits: subnormals, overflow to inf and the sign come out right; NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    if TOWARD_ZERO:
+        bits = bits & ~((1 << SHIFT) - 1)
+    else:
+        bits = (bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & ~((1 << SHIFT) - 1)
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
 def _round(x, CODE: tl.constexpr):
-    """Round an fp32 tensor to bf16 (CODE 1) or fp16 (CODE 2), keeping it fp32; CODE 0: unchanged."""
+    """Round an fp32 tensor to the format and mode of CODE (`spec`: format + 8 * mode), keeping it fp32. Formats:
+    0 fp32 (unchanged), 1 bf16, 2 fp16, 3-6 e8m6-e8m3; modes: 0 nearest-even, 1 toward zero (not for fp16)."""
     if CODE == 1:
-        x = cast(x, tl.bfloat16).to(tl.float32)
+        if _INTERPRET:  # its bf16 tensors lose the subnormals' last bits: stay in fp32
+            x = _drop_bits(x, 16, False)
+        else:
+            x = cast(x, tl.bfloat16).to(tl.float32)
     elif CODE == 2:
         x = x.to(tl.float16).to(tl.float32)
+    elif CODE == 9:
+        x = _drop_bits(x, 16, True)
+    elif CODE % 8 >= 3:  # e8m(9 - format): 23 - (9 - format) bits dropped
+        x = _drop_bits(x, 14 + CODE % 8, CODE >= 8)
     return x
+
+
+@triton.jit
+def round_vector(X, Y, N, CODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Y = `_round`(X) elementwise over N fp32 values: the kernels' rounding alone, for the tests to check against
+    `numerics.round_to`."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N)
+    tl.store(Y + offs, _round(x, CODE), mask=offs < N)
 
 
 @triton.jit
@@ -297,7 +326,7 @@ def attn_bwd_dq(
             if OPS_FP32:
                 dq = dot(_round(ds, R_DS_OP), k, dq, True)
             else:
-                dq = dot(cast(ds, k.dtype), k, dq, False)
+                dq = dot(cast(_round(ds, R_DS_OP), k.dtype), k, dq, False)
         dq_run = _round(dq_run + _round(mul_rn(_round(dq, R_DQ_PART), scale), R_DQ_PART), R_DQ)
     store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq_run, offs_m, stride_gt, T, HEAD_DIM)
 
@@ -339,13 +368,13 @@ def attn_bwd_dkdv(
             if OPS_FP32:
                 dv = dot(_round(pt, R_P_OP), do, dv, True)
             else:
-                dv = dot(cast(pt, do.dtype), do, dv, False)
+                dv = dot(cast(_round(pt, R_P_OP), do.dtype), do, dv, False)
             dpt = _round(dot(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), OPS_FP32), R_DP)
             dst = _round(_round(mul_rn(pt, _round(dpt - delta[None, :], R_DS1)), R_DS2), R_DS)
             if OPS_FP32:
                 dk = dot(_round(dst, R_DS_OP), q, dk, True)
             else:
-                dk = dot(cast(dst, q.dtype), q, dk, False)
+                dk = dot(cast(_round(dst, R_DS_OP), q.dtype), q, dk, False)
         dv_run = _round(dv_run + _round(dv, R_DV_PART), R_DV)
         dk_run = _round(dk_run + _round(mul_rn(_round(dk, R_DK_PART), scale), R_DK_PART), R_DK)
     out = head_offset(bh, H, stride_gb, stride_gh)

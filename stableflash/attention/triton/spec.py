@@ -1,7 +1,8 @@
 """`KernelSpec`: what the fused kernels are specialised on, derived from a `Precision`; the one registry of them.
 
-A policy becomes a set of compile-time rounding codes (0 keeps fp32, 1 rounds to bf16, 2 to fp16) for every site and
-for every elementwise operation between sites, where the reference rounds to the operands' promoted dtype. The policy
+A policy becomes a compile-time rounding code for every site and for every elementwise operation between sites,
+where the reference rounds to the operands' promoted dtype: `format + 8 * mode`, the format 0 (fp32: no rounding),
+1 bf16, 2 fp16, 3-6 e8m6-e8m3 (bf16's exponent, fewer fraction bits), the mode 0 nearest-even, 1 toward zero. The policy
 of production FA2 (the `fa2` preset, its tiles included) runs the native kernels (`native.py`, `hopper.py`); every
 other supported policy the emulation kernels (`emulation.py`).
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from stableflash.attention import stabilize as stabilizers
-from stableflash.attention.precision import PRESETS, SITES, Precision
+from stableflash.attention.precision import PRESETS, PV_PATH, SITES, Precision
 from stableflash.attention.stabilize import SFA, ClampPbar
 from stableflash.numerics.formats import get_format
 
@@ -31,7 +32,10 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 PHYSICAL_TILE = 64  # emulated logical tiles are built from tiles of this size
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Triton's CPU interpreter is on (the tests' CPU path): read once, here."""
-_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # storage dtypes, which elementwise ops round to
+FORMAT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "e8m6": 3, "e8m5": 4, "e8m4": 5, "e8m3": 6}
+MODE_CODES = {"nearest": 0, "toward_zero": 1}
+_BF16_VALUED = {"bf16", "e8m6", "e8m5", "e8m4", "e8m3"}  # formats whose every value is a bf16 value
 _NATIVE_TILE = PRESETS["fa2"].block_m
 
 
@@ -39,10 +43,10 @@ def _promote(a: int, b: int) -> int:
     return a if a == b else 0
 
 
-def _rescaled_acc_code(code: dict) -> int:
-    """O*c rounds to the operands' promoted dtype, then to the `acc_scaled` site (one of the two is fp32)."""
-    promoted = _promote(code["acc"], code["rescale"])
-    return code["acc_scaled"] or promoted
+def _operand_in_input_dtype(site_format: str, input_format: str) -> bool:
+    """Whether a matmul operand of this format is exact in the input dtype (e8m4 values are bf16 values), so that
+    the matmul runs on the input dtype's tensor cores; else its operands are fp32."""
+    return site_format == input_format or (input_format == "bf16" and site_format in _BF16_VALUED)
 
 
 _FWD_CODES = ("R_QK", "R_SCORES", "R_ROW_MAX", "R_SUB", "R_PBAR", "R_PBAR_OP", "R_TILE_SUM", "R_PV", "R_RESCALE",
@@ -134,30 +138,57 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
             other, stabilize, dtype)
     if policy.compute != "fp32":
         return "compute must be fp32"
-    if policy.rounding != "nearest":
-        return "rounding must be 'nearest'"
+    if policy.rounding not in MODE_CODES:
+        return f"rounding must be one of {sorted(MODE_CODES)}, got {policy.rounding!r}"
     if policy.delta_formula == "do_o_recomputed":
         return "delta_formula 'do_o_recomputed' is reference-only"
     for site in SITES:
-        if policy.dtype(site, dtype) not in _CODES or policy.format(site, dtype).torch_dtype is None:
-            return f"site {site} in {getattr(policy, site)} (kernels round to fp32, bf16 or fp16)"
-    for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
-        if policy.dtype(site, dtype) not in (dtype, torch.float32):
-            return f"matmul operand site {site} must be the input dtype or fp32"
+        name = policy.format(site, dtype).name
+        if name not in FORMAT_CODES:
+            return f"site {site} in {getattr(policy, site)} (kernels round to fp32, bf16, fp16 or e8m6-e8m3)"
+        if name == "fp16" and _mode(policy, site) != "nearest":
+            return f"site {site}: fp16 rounds to nearest only in the kernels"
+    if policy.rounding != "nearest" and not policy.rounding_sites and any(
+            policy.dtype(site, dtype) == torch.float16 for site in SITES):
+        return "elementwise operations in fp16 round to nearest only in the kernels"
+    if dtype == torch.float16:
+        for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
+            if policy.dtype(site, dtype) not in (dtype, torch.float32):
+                return f"matmul operand site {site} must be the input dtype or fp32"
+    elif policy.format("out", dtype).name not in ("bf16", "fp32"):
+        return "the output site must be the input dtype or fp32"
     if policy.o_saved not in ("out", "fp32"):
         return "o_saved must be 'out' or 'fp32'"
     for name in ("block_m", "block_n"):
         block = getattr(policy, name)
         if block is not None and block % PHYSICAL_TILE:
             return f"{name}={block} must be a multiple of {PHYSICAL_TILE} (or None)"
-    if isinstance(stabilize, SFA) and policy.dtype("row_max", dtype) == torch.float16:
-        return "SFA with an fp16 row_max is reference-only"
+    if isinstance(stabilize, SFA) and policy.format("row_max", dtype).name not in ("fp32", "bf16"):
+        return "SFA with a row_max in another format than fp32 or bf16 is reference-only"
+    if isinstance(stabilize, SFA) and _mode(policy, "row_max") != "nearest":
+        return "SFA with a row_max rounded other than to nearest is reference-only"
     if isinstance(stabilize, SFA) and stabilize.official_rule:
         return "the official SFA rule (SFA.official()) is reference-only"
     promoted = _promote(_CODES[policy.dtype("acc", dtype)], _CODES[policy.dtype("rescale", dtype)])
-    if promoted and _CODES[policy.dtype("acc_scaled", dtype)] not in (0, promoted):
-        return "acc_scaled in a half format other than acc's and rescale's"
+    if promoted and _site_code(policy, "acc_scaled", dtype) not in (0, _op_code(policy, promoted)):
+        return "acc_scaled in another format or mode than acc's and rescale's half format"
     return None
+
+
+def _mode(policy: Precision, site: str) -> str:
+    """The rounding mode of `site`: the policy's where it covers every site or lists this one, else nearest."""
+    return policy.rounding if not policy.rounding_sites or site in policy.rounding_sites else "nearest"
+
+
+def _site_code(policy: Precision, site: str, dtype: torch.dtype) -> int:
+    return FORMAT_CODES[policy.format(site, dtype).name] + 8 * MODE_CODES[_mode(policy, site)]
+
+
+def _op_code(policy: Precision, storage_code: int) -> int:
+    """An elementwise operation's rounding to its operands' promoted storage dtype: the policy's mode where it covers
+    every site (and so every operation), else nearest."""
+    mode = policy.rounding if not policy.rounding_sites else "nearest"
+    return storage_code + 8 * MODE_CODES[mode] if storage_code else 0
 
 
 def is_native(policy: Precision, dtype: torch.dtype) -> bool:
@@ -203,30 +234,38 @@ def _build(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_
 
 def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -> KernelSpec:
     """The spec of a supported policy (`unsupported_reason` is None), unregistered."""
-    code = {site: _CODES[policy.dtype(site, dtype)] for site in SITES}
-    input_code = _CODES[dtype]
+    store = {site: _CODES[policy.dtype(site, dtype)] for site in SITES}  # storage dtypes, for the operations
+
+    def op(a: int, b: int) -> int:  # an elementwise op on operands stored as `a` and `b`
+        return _op_code(policy, _promote(a, b))
+
+    code = {site: _site_code(policy, site, dtype) for site in SITES}
+    l1 = _promote(store["rescale"], store["row_sum"])
+    ds1 = _promote(store["dp"], store["delta"])
+    promoted_acc = _promote(store["acc"], store["rescale"])
     codes = dict(
         R_QK=code["qk"], R_SCORES=code["scores"], R_ROW_MAX=code["row_max"],
-        R_SUB=_promote(code["scores"], code["row_max"]), R_PBAR=code["pbar"], R_PBAR_OP=code["pbar_operand"],
+        R_SUB=op(store["scores"], store["row_max"]), R_PBAR=code["pbar"], R_PBAR_OP=code["pbar_operand"],
         R_TILE_SUM=code["tile_sum"], R_PV=code["pv"], R_RESCALE=code["rescale"],
-        R_L1=_promote(code["rescale"], code["row_sum"]), R_ROW_SUM=code["row_sum"],
-        R_A1=_rescaled_acc_code(code), R_ACC=code["acc"],
-        R_L_SAVED=code["row_sum_saved"], R_DIV=_promote(code["acc"], code["row_sum_saved"]), R_LSE=code["lse"],
-        R_LSE_ADD=_promote(code["lse"], code["row_max"]),
+        R_L1=_op_code(policy, l1), R_L2=op(l1, store["tile_sum"]), R_ROW_SUM=code["row_sum"],
+        # O*c rounds to the operands' promoted dtype, then to the `acc_scaled` site (one of the two is fp32)
+        R_A1=code["acc_scaled"] or _op_code(policy, promoted_acc), R_A2=op(store["acc_scaled"], store["pv"]),
+        R_ACC=code["acc"],
+        R_L_SAVED=code["row_sum_saved"], R_DIV=op(store["acc"], store["row_sum_saved"]), R_LSE=code["lse"],
+        R_LSE_ADD=op(store["lse"], store["row_max"]),
         R_TERMS=code["delta_terms"], R_DELTA=code["delta"],
-        R_P_SUB=_promote(code["scores"], code["lse"]), R_P=code["p"], R_P_OP=code["p_operand"], R_DP=code["dp"],
-        R_DPP=_promote(code["dp"], code["p"]),
-        R_DS1=_promote(code["dp"], code["delta"]), R_DS=code["ds"], R_DS_OP=code["ds_operand"],
+        R_P_SUB=op(store["scores"], store["lse"]), R_P=code["p"], R_P_OP=code["p_operand"], R_DP=code["dp"],
+        R_DPP=op(store["dp"], store["p"]),
+        R_DS1=_op_code(policy, ds1), R_DS2=op(store["p"], ds1), R_DS=code["ds"], R_DS_OP=code["ds_operand"],
         R_DV_PART=code["dv_part"], R_DV=code["dv"], R_DK_PART=code["dk_part"], R_DK=code["dk"],
         R_DQ_PART=code["dq_part"], R_DQ=code["dq"],
     )
-    codes["R_L2"] = _promote(codes["R_L1"], code["tile_sum"])
-    codes["R_A2"] = _promote(code["acc_scaled"], code["pv"])
-    codes["R_DS2"] = _promote(code["p"], codes["R_DS1"])
     native = is_native(policy, dtype)
-    ops_fp32 = any(code[s] != input_code for s in ("pbar_operand", "p_operand", "ds_operand", "out"))
+    input_name = get_format(dtype).name
+    ops_fp32 = any(not _operand_in_input_dtype(policy.format(s, dtype).name, input_name)
+                   for s in ("pbar_operand", "p_operand", "ds_operand", "out"))
     whole = math.ceil(seq_len / PHYSICAL_TILE) * PHYSICAL_TILE
-    pbar_format = get_format(policy.dtype("pbar_operand", dtype))
+    pbar_format = policy.format("pbar_operand", dtype)
     stab, beta, eps, low, high, bounded, ceiling = 0, 2.0, 0.0, 0.0, 0.0, True, 1.0
     if isinstance(stabilize, SFA):
         stab, beta, eps, bounded = 1, float(stabilize.beta), float(stabilize.eps), stabilize.bounded
@@ -254,11 +293,25 @@ def emulated_variant(name: str) -> Precision:
              "dpp": lambda: policy.with_delta("dp_p"), "fwdfa2": lambda: policy.with_pass_of("forward", "fa2"),
              "bwdfa2": lambda: policy.with_pass_of("backward", "fa2"),
              "scores32": lambda: policy.with_sites(qk="fp32", scores="fp32", row_max="fp32", lse="fp32"),
-             "lse32": lambda: policy.with_sites(lse="fp32")}
+             "lse32": lambda: policy.with_sites(lse="fp32"),
+             # the dose-response study's numerics: the P̄V path in fewer fraction bits, rounded to nearest or toward 0
+             **{f"pv-{fmt}": (lambda fmt=fmt: policy.with_sites(**{s: fmt for s in PV_PATH}))
+                for fmt in ("e8m6", "e8m5", "e8m4", "e8m3")},
+             "pv-e8m4-tz": lambda: policy.with_sites(**{s: "e8m4" for s in PV_PATH}).with_rounding("toward_zero", PV_PATH),
+             "pv-tz": lambda: policy.with_rounding("toward_zero", PV_PATH),
+             "stats-e8m5-tz": lambda: policy.with_sites(**{s: "e8m5" for s in STATS_SITES}).with_rounding(
+                 "toward_zero", STATS_SITES)}
     if knob not in knobs:
         raise ValueError(f"name: expected PRESET or PRESET+KNOB with KNOB in {sorted(k for k in knobs if k)}, got {name!r}")
     return knobs[knob]()
 
+
+STATS_SITES = ("tile_sum", "row_sum", "row_sum_saved", "delta")
+"""ℓ's sites and δ: the row statistics the kernels round in the narrow formats too."""
+
+NARROW_VARIANTS = ("paper+pv-e8m6", "paper+pv-e8m5", "paper+pv-e8m4", "paper+pv-e8m3", "paper+pv-e8m4-tz",
+                   "paper+pv-tz", "paper+stats-e8m5-tz")
+"""Formats with bf16's exponent and fewer fraction bits, and rounding toward zero, at the sites the kernels take them."""
 
 EMULATED_VARIANTS = ("paper", "paper-eager", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp", "bf16+fwdfa2",
                      "bf16+bwdfa2", "bf16+scores32", "bf16+lse32")
