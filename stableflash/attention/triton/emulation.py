@@ -2,8 +2,9 @@
 
 Each site and each elementwise operation between sites takes a compile-time rounding code `R_*` (`spec.KernelSpec`:
 a format, fp32 to e8m3, and a mode, nearest-even or toward zero), and the policy's logical tiles (LT keys in the
-forward, LQ queries or LT keys in the backward) are built from physical tiles of `spec.PHYSICAL_TILE`. The forward makes two or three passes
-over each logical tile: its maximum, its near-maximum count (only for SFA or the statistics), then P̄ and P̄V.
+forward, LQ queries or LT keys in the backward) are built from physical tiles of `spec.PHYSICAL_TILE`. The forward
+makes two or three passes over each logical tile: its maximum, its near-maximum count (only for SFA or the
+statistics), then P̄ and P̄V.
 Exponentials are libdevice's `exp` in natural units, as torch computes them. Bit-equal to the reference is the aim
 and what the tests check; speed comes second.
 """
