@@ -97,10 +97,11 @@ def test_the_gluon_forwards_launches_compile_unserialised(head_dim, sfa, stats, 
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
-@pytest.mark.parametrize("variant", ["paper+pv-e8m4-tz", "paper+stats-e8m5-tz"])
+@pytest.mark.parametrize("variant", ["paper+pv-e8m4-tz", "paper+stats-e8m5-tz", "paper+pv-e8m4-sr"])
 def test_narrow_formats_and_toward_zero_compile_for_sm90(variant, kernel):
-    """The e8mX and toward-zero roundings are integer operations on the fp32 bits: they compile for the GPU, and
-    the emulation kernels still round every product on its own."""
+    """The e8mX, toward-zero and stochastic roundings are integer operations on the fp32 bits (the stochastic one's
+    random bits a uint32 hash): they compile for the GPU, and the emulation kernels still round every product on
+    its own."""
     from stableflash.attention.triton.spec import emulated_variant
 
     name = spec_name(emulated_variant(variant), None, torch.bfloat16, 64, 4096)

@@ -66,6 +66,8 @@ SITES = {
     "dq_part": "one key tile's dQ = dS K, as its matmul returns it",
     "dq": "dQ accumulator",
 }
+SITE_INDEX = {site: i for i, site in enumerate(SITES)}
+"""A site's number: part of stochastic rounding's counter (`numerics.rounding.counter_bits`)."""
 FORWARD_SITES = tuple(SITES)[:tuple(SITES).index("lse") + 1]
 BACKWARD_SITES = tuple(SITES)[len(FORWARD_SITES):]
 PV_PATH = ("pbar_operand", "pv", "acc_scaled", "acc")

@@ -29,11 +29,11 @@ import math
 import torch
 
 from stableflash.attention.mask import Visibility
-from stableflash.attention.precision import Precision
+from stableflash.attention.precision import SITE_INDEX, Precision
 from stableflash.attention.stabilize import SFA, ClampPbar
 from stableflash.attention.stats import AttentionStats
 from stableflash.numerics.formats import get_format
-from stableflash.numerics.rounding import round_to
+from stableflash.numerics.rounding import counter_bits, counter_noise, draw_seed, round_to
 
 
 def _promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
@@ -48,10 +48,11 @@ def _promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 class _Rounder:
     """Rounding helpers bound to one policy and one input dtype."""
 
-    def __init__(self, policy: Precision, input_dtype: torch.dtype):
+    def __init__(self, policy: Precision, input_dtype: torch.dtype, seed: int | None = None):
         self.policy = policy
         self.input_dtype = input_dtype
         self.cd = policy.compute_dtype()
+        self.seed = seed  # stochastic rounding's, where a site says where its elements are (`site(..., at=...)`)
 
     def dtype(self, site: str) -> torch.dtype:
         return self.policy.dtype(site, self.input_dtype)
@@ -69,10 +70,17 @@ class _Rounder:
     def format(self, site: str):
         return self.policy.format(site, self.input_dtype)
 
-    def site(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    def site(self, name: str, x: torch.Tensor, at: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """`x` rounded to `name`'s format and mode. `at` = (first row, first column, tile) places a (B, H, rows,
+        cols) tile in the whole: stochastic rounding there draws its bits from `counter_bits` of each element's
+        position, as the fused kernels do; elsewhere from torch's generator."""
         sites = self.policy.rounding_sites
         mode = self.policy.rounding if not sites or name in sites else "nearest"
         fmt = self.format(name)
+        if mode == "stochastic" and at is not None and self.seed is not None:
+            noise = counter_noise(_tile_bits(self.seed, SITE_INDEX[name], x, at), fmt)
+            rounded = round_to(x, fmt, mode, noise=noise, dtype=torch.float32)
+            return rounded if fmt.torch_dtype is None else rounded.to(fmt.torch_dtype)
         if fmt.torch_dtype is None:  # e8m4 and the like: the format's values, held in fp32
             return round_to(x, fmt, mode, dtype=torch.float32)
         return self.cast(x, fmt.torch_dtype, mode)
@@ -90,8 +98,23 @@ class _Rounder:
         values = [self.up(a) if isinstance(a, torch.Tensor) else a for a in args]
         return self.cast(fn(*values), result_dtype)
 
-    def mm(self, a: torch.Tensor, b: torch.Tensor, site: str) -> torch.Tensor:
-        return self.site(site, self.up(a) @ self.up(b))
+    def mm(self, a: torch.Tensor, b: torch.Tensor, site: str, at: tuple[int, int, int] | None = None) -> torch.Tensor:
+        return self.site(site, self.up(a) @ self.up(b), at)
+
+
+def _tile_bits(seed: int, site: int, x: torch.Tensor, at: tuple[int, int, int]) -> torch.Tensor:
+    """`counter_bits` for each element of a (B, H, rows, cols) tile whose first row and column are `at[:2]`."""
+    B, H, rows, cols = x.shape
+    device = x.device
+    bh = (torch.arange(B, device=device)[:, None] * H + torch.arange(H, device=device)[None, :])[:, :, None, None]
+    row = (at[0] + torch.arange(rows, device=device))[None, None, :, None]
+    col = (at[1] + torch.arange(cols, device=device))[None, None, None, :]
+    return counter_bits(seed, site, bh, row, col, at[2])
+
+
+def stochastic_seed(policy: Precision) -> int | None:
+    """The seed of one attention call's stochastic rounding (`draw_seed`); None where no site rounds stochastically."""
+    return draw_seed() if policy.rounding == "stochastic" else None
 
 
 def _visibility(causal: bool | Visibility, q, k) -> Visibility:
@@ -140,7 +163,7 @@ def _official_near_max_count(r: _Rounder, s: torch.Tensor, rm: torch.Tensor, eps
 def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precision, stabilize=None,
             stats: AttentionStats | None = None, heads=slice(None)):
     """Tiled forward. Returns (out, o_saved, lse); see the module docstring for the rounding."""
-    r = _Rounder(policy, q.dtype)
+    r = _Rounder(policy, q.dtype, stochastic_seed(policy))
     vis = _visibility(causal, q, k)
     B, H, T, D = q.shape
     Tk = k.shape[-2]
@@ -185,23 +208,24 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
             pbar = r.site("pbar", torch.exp(r.up(r.ew(torch.sub, s, m_shift))))
             if isinstance(stabilize, ClampPbar):
                 pbar = pbar.clamp(max=ClampPbar.ceiling(pbar_fmt))
-            pbar_op = r.site("pbar_operand", pbar)
+            t = j0 // (policy.block_n or Tk)  # the key tile's ordinal: stochastic rounding's counter
+            pbar_op = r.site("pbar_operand", pbar, (i0, j0, 0))
             if stats is not None:
                 ones += (pbar_op == 1).sum(dim=(0, 2, 3))
-            tile_sum = r.site("tile_sum", r.up(pbar).sum(-1, keepdim=True))
+            tile_sum = r.site("tile_sum", r.up(pbar).sum(-1, keepdim=True), (i0, 0, t))
             if policy.tile_sum_clamp is not None:
                 tile_sum = tile_sum.clamp(min=policy.tile_sum_clamp)
-            pv = r.mm(pbar_op, vj, "pv")
+            pv = r.mm(pbar_op, vj, "pv", (i0, 0, t))
             # -- rescale the running sum and accumulator --
             rescale = r.site("rescale", torch.exp(r.up(r.ew(torch.sub, m, m_shift))))
-            l = r.site("row_sum", r.ew(torch.add, r.ew(torch.mul, rescale, l), tile_sum))
-            acc_scaled = r.site("acc_scaled", r.ew(torch.mul, acc, rescale))
-            acc = r.site("acc", r.ew(torch.add, acc_scaled, pv))
+            l = r.site("row_sum", r.ew(torch.add, r.ew(torch.mul, rescale, l), tile_sum), (i0, 0, t))
+            acc_scaled = r.site("acc_scaled", r.ew(torch.mul, acc, rescale), (i0, 0, t))
+            acc = r.site("acc", r.ew(torch.add, acc_scaled, pv), (i0, 0, t))
             m = m_new
         # -- normalise; rows that saw no finite score (m = -inf) get O = 0 and lse = -inf.
         # (l = 0 with a finite m is P̄ underflow, e.g. the unbounded SFA rule: 0/0 = NaN, kept visible.)
         empty = torch.isneginf(m)
-        l = r.site("row_sum_saved", l)  # the buffer that the division and the log-sum-exp read
+        l = r.site("row_sum_saved", l, (i0, 0, 0))  # the buffer that the division and the log-sum-exp read
         o_full = r.ew(torch.div, acc, torch.where(empty, torch.ones_like(l), l))
         o_full = o_full.masked_fill(empty, 0.0)
         out[:, :, i0:i0 + bm] = r.site("out", o_full)

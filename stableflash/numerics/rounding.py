@@ -24,6 +24,7 @@ def round_to(
     mode: RoundingMode = "nearest",
     *,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Round every element of `x` to the nearest value of `fmt` under `mode`.
@@ -35,7 +36,8 @@ def round_to(
       the rounded side goes to infinity, on the other saturates).
     - `"stochastic"`: round up with probability equal to the distance from the
       lower neighbour in units of the spacing, so the result is unbiased;
-      seeded through `generator`.
+      seeded through `generator`, or with `noise` (values in [0, 1), one per
+      element) given: what `counter_noise` makes, to reproduce the kernels' bits.
 
     Returns a `dtype` tensor (float64 by default) holding the rounded values,
     so that formats torch cannot compute in (fp8) still give usable numbers.
@@ -66,8 +68,9 @@ def round_to(
         away = (wide > 0) if mode == "up" else (wide < 0)  # where the direction is away from zero
         units = torch.where(away, torch.ceil(units), torch.trunc(units))
     else:
-        noise = torch.rand(units.shape, dtype=torch.float64, generator=generator, device=units.device)
-        units = torch.floor(units + noise)
+        if noise is None:
+            noise = torch.rand(units.shape, dtype=torch.float64, generator=generator, device=units.device)
+        units = torch.floor(units + noise.to(torch.float64))
     rounded = units * spacing
 
     infinite = float("inf") if fmt.has_inf else float("nan")
@@ -91,3 +94,38 @@ def ulp(x: torch.Tensor, fmt: str | Format | torch.dtype) -> torch.Tensor:
     _, exponent = torch.frexp(x.to(torch.float64).abs())
     binade = torch.clamp(exponent - 1, min=fmt.min_exponent)
     return torch.ldexp(torch.ones_like(x, dtype=torch.float64), binade - fmt.fraction_bits)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash step (xorshift-multiply), on int64 tensors holding uint32 values; the fused kernels
+    compute the same in uint32. The multipliers are below 2^31, so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & _MASK32
+    return x ^ (x >> 16)
+
+
+def counter_bits(seed: int, site: int, bh: torch.Tensor, row: torch.Tensor, col: torch.Tensor, tile: int) -> torch.Tensor:
+    """32 random bits per element from a counter-based hash of (seed, site, batch·head, row, column, tile): the same
+    bits wherever the element is computed (any tiling, the reference or a kernel). int64 tensor of uint32 values."""
+    h = _mix(torch.as_tensor((seed + site * 0x1B873593) & _MASK32, dtype=torch.int64))
+    for part in (bh, row, col):
+        h = _mix(h ^ part.to(torch.int64))
+    return _mix(h ^ tile)
+
+
+def counter_noise(bits: torch.Tensor, fmt: str | Format, source_fraction_bits: int = 23) -> torch.Tensor:
+    """`round_to`'s stochastic noise from `counter_bits`, for rounding fp32 values to `fmt` as the kernels do: the top
+    `23 - fmt.fraction_bits` bits, as a fraction of the spacing (float64, exact)."""
+    drop = source_fraction_bits - get_format(fmt).fraction_bits
+    return (bits >> (32 - drop)).to(torch.float64) * 2.0 ** -drop
+
+
+def draw_seed() -> int:
+    """A seed for one call's stochastic rounding, from torch's CPU generator: `torch.manual_seed` and a checkpoint's
+    RNG state make it reproducible, and the reference and the kernels draw it at the same point of a call."""
+    return int(torch.randint(0, 2**31 - 1, ()).item())

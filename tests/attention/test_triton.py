@@ -139,13 +139,15 @@ def test_emulation_agrees_bit_for_bit_with_the_reference(shape, name, stabilize)
 
 @pytest.mark.parametrize("name", NARROW_VARIANTS)
 def test_narrow_formats_and_rounding_toward_zero_agree_bit_for_bit_with_the_reference(name):
-    """e8m6-e8m3 (bf16's exponent, fewer fraction bits) and rounding toward zero at the P̄V path's sites and at ℓ's
-    and δ's, against the reference of the same policy, with SFA where the policy allows it."""
+    """e8m6-e8m3 (bf16's exponent, fewer fraction bits), rounding toward zero and stochastic rounding at the P̄V path's
+    sites and at ℓ's and δ's, against the reference of the same policy and seed, with SFA."""
     policy = emulated_variant(name)
     q, k, v = _inputs(SHAPES[-1])
     dout = torch.randn(SHAPES[-1], device=DEVICE).to(torch.bfloat16)
     for stabilize in (None, SFA()):
+        torch.manual_seed(11)  # stochastic rounding draws its seed from torch's generator: the same for both
         ours = _run(functools.partial(_attention, precision=policy, stabilize=stabilize), q, k, v, dout)
+        torch.manual_seed(11)
         ref = _run(functools.partial(flash_attention, precision=policy, stabilize=stabilize, backend="reference"), q, k,
                    v, dout)
         for what, a, r in zip(["out", "dq", "dk", "dv"], ours, ref):
@@ -154,25 +156,29 @@ def test_narrow_formats_and_rounding_toward_zero_agree_bit_for_bit_with_the_refe
 
 
 def test_narrow_formats_round_as_the_reference_does_value_by_value():
-    """The kernels' rounding to e8mX and toward zero, on the bits, against `numerics.round_to` in float64: random
-    values over the whole fp32 range, subnormals, the largest finite values, ±0, ±inf and NaN."""
+    """The kernels' rounding to e8mX, toward zero and stochastic (bits from the element's position), on the fp32 bits,
+    against `numerics.round_to` in float64 with the same noise: random values over the whole fp32 range, subnormals,
+    the largest finite values, ±0 and ±inf."""
     import triton
 
     from stableflash.attention.triton.emulation import round_vector
     from stableflash.attention.triton.spec import FORMAT_CODES, MODE_CODES
-    from stableflash.numerics.rounding import round_to
+    from stableflash.numerics.rounding import counter_bits, counter_noise, round_to
     g = torch.Generator().manual_seed(3)
     bits = torch.randint(-2**31, 2**31 - 1, (4096,), generator=g, dtype=torch.int64).to(torch.int32)
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.4028234e38, -3.4028234e38, 1e-40, -1e-45,
                             1.1754943e-38, 1.5, 2.5, 1.0 + 2**-5])
     x = torch.cat([bits.view(torch.float32), special]).to(DEVICE)
     x = x[torch.isfinite(x) | torch.isinf(x)]
+    site, seed = 5, 1234567
+    rows = torch.arange(x.numel())
     for fmt in ("bf16", "e8m6", "e8m5", "e8m4", "e8m3"):
-        for mode in ("nearest", "toward_zero"):
+        for mode in ("nearest", "toward_zero", "stochastic"):
             y = torch.empty_like(x)
-            round_vector[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), CODE=FORMAT_CODES[fmt] + 8 * MODE_CODES[mode],
-                                                         BLOCK=1024)
-            want = round_to(x.cpu(), fmt, mode, dtype=torch.float32)
+            code = FORMAT_CODES[fmt] + 8 * MODE_CODES[mode]
+            round_vector[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), seed, CODE=code, SITE=site, BLOCK=1024)
+            noise = counter_noise(counter_bits(seed, site, torch.zeros(()), rows, torch.zeros(()), 0), fmt)
+            want = round_to(x.cpu(), fmt, mode, noise=noise if mode == "stochastic" else None, dtype=torch.float32)
             same = (y.cpu() == want) | (y.cpu().isnan() & want.isnan())
             assert same.all(), (fmt, mode, x.cpu()[~same][:4], y.cpu()[~same][:4], want[~same][:4])
             assert (torch.signbit(y.cpu()) == torch.signbit(want)).all(), (fmt, mode, "sign")

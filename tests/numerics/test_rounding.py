@@ -58,3 +58,22 @@ def test_bad_arguments():
         round_to(torch.ones(1), BF16, "sideways")
     with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
         round_to([1.0], BF16)
+
+
+def test_counter_bits_give_unbiased_reproducible_stochastic_rounding():
+    """The counter-based noise (what the kernels use) is uniform enough that stochastic rounding stays unbiased, is a
+    pure function of (seed, site, position), and changes with each of them."""
+    from stableflash.numerics.rounding import counter_bits, counter_noise
+
+    rows = torch.arange(200_000)
+    bits = counter_bits(7, 3, torch.zeros(()), rows, torch.zeros(()), 0)
+    assert torch.equal(bits, counter_bits(7, 3, torch.zeros(()), rows, torch.zeros(()), 0))
+    for other in (counter_bits(8, 3, torch.zeros(()), rows, torch.zeros(()), 0),
+                  counter_bits(7, 4, torch.zeros(()), rows, torch.zeros(()), 0),
+                  counter_bits(7, 3, torch.zeros(()), rows, torch.zeros(()), 1)):
+        assert (other != bits).float().mean() > 0.99
+    noise = counter_noise(bits, "e8m4")
+    assert 0 <= noise.min() and noise.max() < 1 and abs(noise.mean().item() - 0.5) < 0.005
+    x = torch.full((200_000,), 1.0 + 2**-6, dtype=torch.float32)  # a quarter of e8m4's spacing above 1
+    rounded = round_to(x, "e8m4", "stochastic", noise=noise)
+    assert abs(rounded.mean().item() - x[0].item()) < 2e-4  # unbiased: round_to to nearest would give 1.0

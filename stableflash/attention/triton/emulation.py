@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from stableflash.attention.precision import SITE_INDEX
 from stableflash.attention.triton.common import (
     _INTERPRET,
     add_stats,
@@ -30,6 +31,9 @@ from stableflash.attention.triton.common import (
     store_rows,
     visible,
 )
+
+_PBAR_OP, _PV, _ACC_SCALED, _ACC = (tl.constexpr(SITE_INDEX[s]) for s in ("pbar_operand", "pv", "acc_scaled", "acc"))
+_TILE_SUM, _ROW_SUM, _ROW_SUM_SAVED = (tl.constexpr(SITE_INDEX[s]) for s in ("tile_sum", "row_sum", "row_sum_saved"))
 
 
 @triton.jit
@@ -63,12 +67,56 @@ def _round(x, CODE: tl.constexpr):
 
 
 @triton.jit
-def round_vector(X, Y, N, CODE: tl.constexpr, BLOCK: tl.constexpr):
-    """Y = `_round`(X) elementwise over N fp32 values: the kernels' rounding alone, for the tests to check against
-    `numerics.round_to`."""
+def _mix(x):
+    """`numerics.rounding._mix` in uint32."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x68E31DA5
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _counter_bits(seed, SITE: tl.constexpr, bh, row, col, tile):
+    """`numerics.rounding.counter_bits`: 32 random bits from (seed, site, batch·head, row, column, tile)."""
+    # tl.cast also takes the arguments Triton specialises to compile-time constants (an int equal to 1)
+    h = _mix(tl.cast(seed, tl.uint32) + tl.cast((SITE * 0x1B873593) % 4294967296, tl.uint32))
+    h = _mix(h ^ tl.cast(bh, tl.uint32))
+    h = _mix(h ^ tl.cast(row, tl.uint32))
+    h = _mix(h ^ tl.cast(col, tl.uint32))
+    return _mix(h ^ tl.cast(tile, tl.uint32))
+
+
+@triton.jit
+def _stochastic(x, SHIFT: tl.constexpr, r):
+    """fp32 rounded to SHIFT fewer fraction bits, up with probability of the dropped bits' share: the top SHIFT bits
+    of `r` added to the dropped ones (`round_to(..., noise=counter_noise(r, ...))` on the bits)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (r >> (32 - SHIFT)).to(tl.int32)) & ~((1 << SHIFT) - 1)
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def _round_at(x, CODE: tl.constexpr, seed, SITE: tl.constexpr, bh, row, col, tile):
+    """`_round`, and stochastic rounding (mode 2) with the bits of each element's position."""
+    if CODE // 8 == 2:
+        r = _counter_bits(seed, SITE, bh, row, col, tile)
+        if CODE % 8 == 1:
+            x = _stochastic(x, 16, r)
+        else:
+            x = _stochastic(x, 14 + CODE % 8, r)
+    else:
+        x = _round(x, CODE)
+    return x
+
+
+@triton.jit
+def round_vector(X, Y, N, seed, CODE: tl.constexpr, SITE: tl.constexpr, BLOCK: tl.constexpr):
+    """Y = X rounded elementwise over N fp32 values as a site rounds them, element i at row i of head 0: the kernels'
+    rounding alone, for the tests to check against `numerics.round_to`."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < N)
-    tl.store(Y + offs, _round(x, CODE), mask=offs < N)
+    tl.store(Y + offs, _round_at(x, CODE, seed, SITE, 0, offs, 0, 0), mask=offs < N)
 
 
 @triton.jit
@@ -119,7 +167,7 @@ def _near_max(s, rm, eps):
 def attn_fwd(
     Q, K, V, O, OS, LSE, STAT_COUNTS, STAT_MAX,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_ot, H, T, scale, eps, LT,
+    stride_ob, stride_oh, stride_ot, H, T, scale, eps, LT, seed,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, SAVE_OS: tl.constexpr, STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr,
     LOW: tl.constexpr, HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TILE_CLAMP: tl.constexpr,
@@ -129,7 +177,8 @@ def attn_fwd(
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_L_SAVED: tl.constexpr, R_DIV: tl.constexpr,
     R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr,
 ):
-    """O (and, with SAVE_OS, the fp32 O the backward reads for δ into OS) and the natural-unit lse of one query tile."""
+    """O (and, with SAVE_OS, the fp32 O the backward reads for δ into OS) and the natural-unit lse of one query tile.
+    `seed`: the call's stochastic rounding seed (unused without it)."""
     scale, eps = fp32(scale), fp32(eps)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -178,26 +227,31 @@ def attn_fwd(
             p = _round(_exp(_round(s - m_shift[:, None], R_SUB)), R_PBAR)
             if STAB == 2:
                 p = tl.minimum(p, CLAMP_CEIL)
-            p_op = _round(p, R_PBAR_OP)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            p_op = _round_at(p, R_PBAR_OP, seed, _PBAR_OP, bh, offs_m[:, None], offs_n[None, :], 0)
             if STATS:
                 ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
             tile_sum += tl.sum(p, 1)
-            v = load_rows(V + v_off, start_n + tl.arange(0, BLOCK_N), stride_vt, T, HEAD_DIM)
+            v = load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
             if OPS_FP32:
                 pv = dot(p_op, v, pv, True)
             else:
                 pv = dot(cast(p_op, V.dtype.element_ty), v, pv, False)
-        tile_sum = _round(tile_sum, R_TILE_SUM)
+        t = lt // LT  # the logical key tile's ordinal: stochastic rounding's counter
+        rows, cols = offs_m[:, None], tl.arange(0, HEAD_DIM)[None, :]
+        tile_sum = _round_at(tile_sum, R_TILE_SUM, seed, _TILE_SUM, bh, offs_m, 0, t)
         if TILE_CLAMP > 0:
             tile_sum = tl.maximum(tile_sum, TILE_CLAMP)
-        pv = _round(pv, R_PV)
+        pv = _round_at(pv, R_PV, seed, _PV, bh, rows, cols, t)
         rescale = _round(_exp(_round(m - m_shift, R_ROW_MAX)), R_RESCALE)
-        l = _round(_round(_round(mul_rn(rescale, l), R_L1) + tile_sum, R_L2), R_ROW_SUM)
-        acc = _round(_round(_round(mul_rn(acc, rescale[:, None]), R_A1) + pv, R_A2), R_ACC)
+        l = _round_at(_round(_round(mul_rn(rescale, l), R_L1) + tile_sum, R_L2), R_ROW_SUM, seed, _ROW_SUM, bh, offs_m,
+                      0, t)
+        acc_scaled = _round_at(mul_rn(acc, rescale[:, None]), R_A1, seed, _ACC_SCALED, bh, rows, cols, t)
+        acc = _round_at(_round(acc_scaled + pv, R_A2), R_ACC, seed, _ACC, bh, rows, cols, t)
         m = m_new
 
     empty = m == float("-inf")  # rows that see no key: O = 0, lse = -inf
-    l = _round(l, R_L_SAVED)  # the buffer that the division and the log-sum-exp read
+    l = _round_at(l, R_L_SAVED, seed, _ROW_SUM_SAVED, bh, offs_m, 0, 0)  # what the division and the lse read
     o = _round(acc / tl.where(empty, 1.0, l)[:, None], R_DIV)
     o = tl.where(empty[:, None], 0.0, o)
     o_off = head_offset(bh, H, stride_ob, stride_oh)

@@ -27,6 +27,7 @@ from stableflash.attention.triton.tuning import (
     Tunable,
     emulation_config,
 )
+from stableflash.numerics.rounding import draw_seed
 
 try:  # Gluon, Triton's lower-level language (3.5 and later): the native forward on Hopper
     from stableflash.attention.triton import hopper
@@ -188,7 +189,8 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     launch = dict(HEAD_DIM=D, CAUSAL=causal, STATS=stats)
 
     if not spec.native:
-        args = (*args[:4], o_saved if spec.save_fp32_o else out, *args[4:], spec.logical_n)
+        seed = draw_seed() if spec.stochastic else 0  # where the reference draws it: the same bits
+        args = (*args[:4], o_saved if spec.save_fp32_o else out, *args[4:], spec.logical_n, seed)
         _run(emulation.attn_fwd, lambda m: (_ceil_div(T, m["BLOCK_M"]), B * H), args,
              {**spec.forward_constants, **launch}, emulation_config(spec.ops_fp32, D), traced)
         return out, o_saved, lse, counts, smax

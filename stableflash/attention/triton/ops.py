@@ -90,8 +90,10 @@ flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 @triton_op("stableflash::flash_fwd_traced", mutates_args=())
 def flash_fwd_traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, name: str,
                      stats: bool, stats_eps: float) -> _FwdOutputs:
-    if launch.hopper_forward_tile(spec_named(name), q, k, v, stats) is not None:
-        return flash_fwd(q, k, v, causal, scale, name, stats, stats_eps)  # a node of its own; the backward is traced
+    spec = spec_named(name)
+    if spec.stochastic or launch.hopper_forward_tile(spec, q, k, v, stats) is not None:
+        # a node of its own (the Gluon forward, or a seed drawn when the call runs); the backward is traced
+        return flash_fwd(q, k, v, causal, scale, name, stats, stats_eps)
     return launch.forward(q, k, v, causal, scale, name, stats, stats_eps, traced=True)
 
 

@@ -2,7 +2,8 @@
 
 A policy becomes a compile-time rounding code for every site and for every elementwise operation between sites,
 where the reference rounds to the operands' promoted dtype: `format + 8 * mode`, the format 0 (fp32: no rounding),
-1 bf16, 2 fp16, 3-6 e8m6-e8m3 (bf16's exponent, fewer fraction bits), the mode 0 nearest-even, 1 toward zero. The policy
+1 bf16, 2 fp16, 3-6 e8m6-e8m3 (bf16's exponent, fewer fraction bits), the mode 0 nearest-even, 1 toward zero,
+2 stochastic (its bits from `numerics.rounding.counter_bits` of the element's position: the reference's bits). The policy
 of production FA2 (the `fa2` preset, its tiles included) runs the native kernels (`native.py`, `hopper.py`); every
 other supported policy the emulation kernels (`emulation.py`).
 
@@ -34,7 +35,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Triton's CPU interpreter is on (the tests' CPU path): read once, here."""
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # storage dtypes, which elementwise ops round to
 FORMAT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "e8m6": 3, "e8m5": 4, "e8m4": 5, "e8m3": 6}
-MODE_CODES = {"nearest": 0, "toward_zero": 1}
+MODE_CODES = {"nearest": 0, "toward_zero": 1, "stochastic": 2}
+STOCHASTIC_SITES = ("pbar_operand", "pv", "acc_scaled", "acc", "tile_sum", "row_sum", "row_sum_saved")
+"""The sites the kernels round stochastically (the forward's P̄V path and ℓ), with bits from the element's position."""
 _BF16_VALUED = {"bf16", "e8m6", "e8m5", "e8m4", "e8m3"}  # formats whose every value is a bf16 value
 _NATIVE_TILE = PRESETS["fa2"].block_m
 
@@ -79,6 +82,8 @@ class KernelSpec:
     high: float
     bounded: bool
     clamp_ceiling: float
+    stochastic: bool
+    """Some site rounds stochastically: each forward call draws a seed (`numerics.rounding.draw_seed`)."""
 
     @property
     def units(self) -> float:
@@ -151,6 +156,9 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
     if policy.rounding != "nearest" and not policy.rounding_sites and any(
             policy.dtype(site, dtype) == torch.float16 for site in SITES):
         return "elementwise operations in fp16 round to nearest only in the kernels"
+    if policy.rounding == "stochastic" and (not policy.rounding_sites
+                                            or not set(policy.rounding_sites) <= set(STOCHASTIC_SITES)):
+        return f"stochastic rounding runs in the kernels at the sites {STOCHASTIC_SITES} (with_rounding(..., sites))"
     if dtype == torch.float16:
         for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
             if policy.dtype(site, dtype) not in (dtype, torch.float32):
@@ -181,7 +189,8 @@ def _mode(policy: Precision, site: str) -> str:
 
 
 def _site_code(policy: Precision, site: str, dtype: torch.dtype) -> int:
-    return FORMAT_CODES[policy.format(site, dtype).name] + 8 * MODE_CODES[_mode(policy, site)]
+    fmt = FORMAT_CODES[policy.format(site, dtype).name]
+    return fmt + 8 * MODE_CODES[_mode(policy, site)] if fmt else 0  # to fp32: no rounding, in any mode
 
 
 def _op_code(policy: Precision, storage_code: int) -> int:
@@ -280,6 +289,7 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
         logical_m=policy.block_m or whole, logical_n=policy.block_n or whole,
         tile_clamp=float(policy.tile_sum_clamp or 0.0), stab=stab, beta=beta, eps=eps * units,
         low=low * units, high=high * units, bounded=bounded, clamp_ceiling=ceiling,
+        stochastic=policy.rounding == "stochastic",
     )
     return KernelSpec(name=repr(sorted(fields.items())), **fields)
 
@@ -299,6 +309,10 @@ def emulated_variant(name: str) -> Precision:
                 for fmt in ("e8m6", "e8m5", "e8m4", "e8m3")},
              "pv-e8m4-tz": lambda: policy.with_sites(**{s: "e8m4" for s in PV_PATH}).with_rounding("toward_zero", PV_PATH),
              "pv-tz": lambda: policy.with_rounding("toward_zero", PV_PATH),
+             "pv-e8m4-sr": lambda: policy.with_sites(**{s: "e8m4" for s in PV_PATH}).with_rounding("stochastic", PV_PATH),
+             "pv-sr": lambda: policy.with_rounding("stochastic", PV_PATH),
+             "l-e8m3-sr": lambda: policy.with_sites(tile_sum="e8m3", row_sum="e8m3", row_sum_saved="e8m3").with_rounding(
+                 "stochastic", ("tile_sum", "row_sum", "row_sum_saved")),
              "stats-e8m5-tz": lambda: policy.with_sites(**{s: "e8m5" for s in STATS_SITES}).with_rounding(
                  "toward_zero", STATS_SITES)}
     if knob not in knobs:
@@ -310,8 +324,9 @@ STATS_SITES = ("tile_sum", "row_sum", "row_sum_saved", "delta")
 """ℓ's sites and δ: the row statistics the kernels round in the narrow formats too."""
 
 NARROW_VARIANTS = ("paper+pv-e8m6", "paper+pv-e8m5", "paper+pv-e8m4", "paper+pv-e8m3", "paper+pv-e8m4-tz",
-                   "paper+pv-tz", "paper+stats-e8m5-tz")
-"""Formats with bf16's exponent and fewer fraction bits, and rounding toward zero, at the sites the kernels take them."""
+                   "paper+pv-tz", "paper+stats-e8m5-tz", "paper+pv-e8m4-sr", "paper+pv-sr", "paper+l-e8m3-sr")
+"""Formats with bf16's exponent and fewer fraction bits, and rounding toward zero or stochastic, at the sites the
+kernels take them."""
 
 EMULATED_VARIANTS = ("paper", "paper-eager", "bf16", "paper+pv32", "paper+o32", "paper+notiling", "paper+dpp", "bf16+fwdfa2",
                      "bf16+bwdfa2", "bf16+scores32", "bf16+lse32")
