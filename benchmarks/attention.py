@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.attention import triton as kernels
+from stableflash.attention.triton.spec import emulated_variant
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
@@ -43,6 +44,10 @@ def implementations(num_heads):
         "stableflash-sfa": _ours(stabilize=SFA()),
         "stableflash-sfa-stats": _ours(stabilize=SFA(), stats=stats),
         "stableflash-paper": _ours(precision="paper"),
+        # the dose-response study's numerics, as a ratio to `paper` (the same emulation kernels, other roundings)
+        "stableflash-pv-e8m4": _ours(precision=emulated_variant("paper+pv-e8m4")),
+        "stableflash-pv-e8m4-tz": _ours(precision=emulated_variant("paper+pv-e8m4-tz")),
+        "stableflash-pv-e8m4-sr": _ours(precision=emulated_variant("paper+pv-e8m4-sr")),
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
@@ -146,7 +151,7 @@ def print_summary(rows):
         return "-" if x is None or y is None else f"{100 * (1 - x / y):.1f}%"
 
     print(f"\n{'shape':<22}{'timing':<8}{'sfa/fa2':>9}{'sfa/cudnn':>11}{'sfa cost':>10}{'stats cost':>12}{'paper/tiled':>13}"
-          "  (fwd+bwd)")
+          f"{'e8m4/paper':>12}{'tz/paper':>10}{'sr/paper':>10}  (fwd+bwd)")
     for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
         for timing, key in (("eager", "fwdbwd_tflops"), ("graph", "fwdbwd_tflops_cudagraph")):
             # the tiled reference has no graph column: its ratio is eager on both lines
@@ -154,7 +159,10 @@ def print_summary(rows):
                   f"{ratio(shape, 'stableflash-sfa', 'sdpa-cudnn', key):>11}"
                   f"{cost(shape, 'stableflash-sfa', 'stableflash', key):>10}"
                   f"{cost(shape, 'stableflash-sfa-stats', 'stableflash-sfa', key):>12}"
-                  f"{ratio(shape, 'stableflash-paper', 'torch-tiled-paper', 'fwdbwd_tflops'):>13}")
+                  f"{ratio(shape, 'stableflash-paper', 'torch-tiled-paper', 'fwdbwd_tflops'):>13}"
+                  f"{ratio(shape, 'stableflash-pv-e8m4', 'stableflash-paper', key):>12}"
+                  f"{ratio(shape, 'stableflash-pv-e8m4-tz', 'stableflash-paper', key):>10}"
+                  f"{ratio(shape, 'stableflash-pv-e8m4-sr', 'stableflash-paper', key):>10}")
 
 
 if __name__ == "__main__":

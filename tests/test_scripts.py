@@ -79,3 +79,36 @@ def test_emulation_agreement_reports_bit_equal_fractions(tmp_path):
     assert [(r["variant"], r["sfa"]) for r in rows] == [("paper+pv32", False), ("paper+pv32", True)]
     for row in rows:
         assert all(0.95 <= row[what]["min"] <= row[what]["mean"] <= 1.0 for what in ("out", "dq", "dk", "dv"))
+
+
+def test_dose_response_runs_its_arms_resumes_them_and_applies_its_rule(tmp_path):
+    """Two arms of the study on the tiny CPU config (the reference backend: no GPU): a first call stopped by its budget
+    checkpoints the runs, the next resumes and finishes them, `summarise` writes one JSON per arm, the figure and
+    the verdict's parts."""
+    out = tmp_path / "dose"
+    common = [sys.executable, str(ROOT / "scripts" / "dose_response.py"), "run", "--out", str(out), "--config",
+              "tiny-cpu", "--arms", "paper,e8m4-sr", "--seeds", "0", "--set", "run.max_steps=150",
+              "--set", "run.checkpoint_interval=50", "--set", "monitor.interval=10", "--set", "attention.backend=reference"]
+    first = subprocess.run([*common, "--budget-s", "6"], capture_output=True, text=True, timeout=300, check=True)
+    assert "exit 143" in first.stdout, first.stdout  # stopped by the budget, with a checkpoint
+    assert all((p / "checkpoint.pt").exists() for p in (out / "runs").iterdir())
+    subprocess.run([*common, "--budget-s", "240"], capture_output=True, text=True, timeout=300, check=True)
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "dose_response.py"), "summarise", str(out)],
+                            capture_output=True, text=True, timeout=120, check=True)
+    for arm in ("paper", "e8m4-sr"):
+        (run,) = json.loads((out / "arms" / f"{arm}.json").read_text())
+        assert run["steps"] == 150 and run["first_divergence"] is None and run["wq_growth"] is not None
+    config = (out / "runs" / "e8m4-sr-s0" / "config.toml").read_text()
+    assert 'rounding = "stochastic"' in config and 'pv = "e8m4"' in config
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["parts"]["e8m4 diverges in >= 2 of 3"] is False and not verdict["training_parts_met"]
+    assert (out / "dose-response.png").exists() and "e8m4-sr" in result.stdout
+
+
+def test_dose_response_divergence_rule():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dose_response import first_divergence
+
+    assert first_divergence([5.0, 4.0, 3.0, 3.5, 3.9]) is None
+    assert first_divergence([5.0, 4.0, 3.0, 4.0]) == 3  # 1.0 above the best so far
+    assert first_divergence([5.0, float("nan")]) == 1

@@ -304,6 +304,13 @@ class Precision:
                     raise ValueError(f"attention.sites.{site}: expected 'input' or a format name like 'fp32', "
                                      f"got {fmt!r}") from None
             policy = policy.with_sites(**cfg.sites)
+        if cfg.rounding != "nearest" or cfg.rounding_sites:
+            if cfg.rounding not in ROUNDING_MODES:
+                raise ValueError(f"attention.rounding: expected one of {ROUNDING_MODES}, got {cfg.rounding!r}")
+            unknown = sorted(set(cfg.rounding_sites) - set(SITES))
+            if unknown:
+                raise ValueError(f"attention.rounding_sites: unknown sites {unknown}; sites: {list(SITES)}")
+            policy = policy.with_rounding(cfg.rounding, cfg.rounding_sites)
         head_policy = preset("head_precision", cfg.head_precision)
         if cfg.heads:
             policy = policy.with_heads(set(cfg.heads), head_policy)

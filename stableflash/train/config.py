@@ -97,6 +97,11 @@ class AttentionConfig:
     """A preset whose formats the forward's sites take ("": `precision`'s); isolates the passes."""
     backward_precision: str = ""
     """A preset whose formats the backward's sites take ("": `precision`'s)."""
+    rounding: str = "nearest"
+    """nearest | toward_zero | up | down | stochastic: the rounding mode of `rounding_sites` (all sites when empty)."""
+    rounding_sites: tuple[str, ...] = ()
+    """The sites `rounding` applies to, e.g. ["pbar_operand", "pv", "acc_scaled", "acc"] (P̄V's path); the others
+    round to nearest."""
     sites: dict = field(default_factory=dict)
     """Site formats set by hand, applied last: {"qk": "fp32", "scores": "fp32"} (`--set attention.sites.qk=fp32`)."""
     heads: tuple[int, ...] = ()
@@ -111,6 +116,7 @@ class AttentionConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"attention.backend: expected one of {BACKENDS}, got {self.backend!r}")
         object.__setattr__(self, "heads", tuple(int(h) for h in self.heads))
+        object.__setattr__(self, "rounding_sites", tuple(self.rounding_sites))
         normalized = {str(k): {**t, **({"heads": tuple(int(h) for h in t["heads"])} if "heads" in t else {})}
                       for k, t in self.layers.items()}
         object.__setattr__(self, "layers", normalized)
@@ -348,7 +354,9 @@ def _coerce(text: str, kind):
     if kind is float:
         return float(text)
     if origin is tuple or kind is tuple:
-        return tuple(int(x) for x in text.replace("[", "").replace("]", "").split(",") if x.strip())
+        item = int if typing.get_args(kind)[:1] == (int,) else str
+        items = [x.strip().strip("'\"") for x in text.replace("[", "").replace("]", "").split(",")]
+        return tuple(item(x) for x in items if x)
     if kind is dict or origin is dict:
         return json.loads(text)
     return text

@@ -1,0 +1,215 @@
+"""The dose-response study (docs/dose-response.md): every arm and seed trains at once, within a time budget, and
+resumes from its checkpoint in the next call; `summarise` turns the runs into one JSON per arm, figures and the
+verdict by the rule written before the run.
+
+    python scripts/dose_response.py run --out OUT --budget-s 540        # call again to continue every run
+    python scripts/dose_response.py summarise OUT                       # OUT/arms/*.json, figures, OUT/verdict.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PV_PATH = "pbar_operand,pv,acc_scaled,acc"
+
+
+def _pv(fmt: str) -> list[str]:
+    return [f"attention.sites.{site}={fmt}" for site in PV_PATH.split(",")]
+
+
+ARMS = {
+    "fp32": ["attention.precision=fp32"],
+    "paper": ["attention.precision=paper"],
+    "e8m4": ["attention.precision=paper", *_pv("e8m4")],
+    "e8m3": ["attention.precision=paper", *_pv("e8m3")],
+    "e8m4-sr": ["attention.precision=paper", *_pv("e8m4"), "attention.rounding=stochastic",
+                f"attention.rounding_sites={PV_PATH}"],
+    "e8m4-tz": ["attention.precision=paper", *_pv("e8m4"), "attention.rounding=toward_zero",
+                f"attention.rounding_sites={PV_PATH}"],
+    "e8m4-sfa": ["attention.precision=paper", *_pv("e8m4"), "attention.stabilize=sfa-bounded"],
+    "e8m4-pv32": ["attention.precision=paper", "attention.pv_fp32=true", "attention.sites.pbar_operand=e8m4"],
+}
+FRACTION_BITS = {"e8m3": 3, "e8m4": 4, "paper": 7}
+DIVERGENCE = 1.0
+"""A run diverges at the first step whose loss is non-finite or this much above its best so far."""
+
+
+def run(args) -> None:
+    """Start or resume every (arm, seed) run not yet finished; stop them all with a checkpoint at the budget."""
+    runs = args.out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for arm in args.arms.split(","):
+        for seed in args.seeds.split(","):
+            folder = runs / f"{arm}-s{seed}"
+            if _finished(folder):
+                continue
+            resume = (folder / "checkpoint.pt").exists()
+            command = [sys.executable, "-m", "stableflash", "train"]
+            command += ["--resume", str(folder)] if resume else ["--config", args.config, "--out", str(folder)]
+            if not resume and folder.exists():  # stopped before it had trained a step: start it over
+                command.append("--overwrite")
+            overrides = [] if resume else [*ARMS[arm], f"run.seed={seed}", *args.set]
+            for item in overrides:
+                command += ["--set", item]
+            log = open(args.out / f"{arm}-s{seed}.log", "a")
+            procs.append((folder, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)))
+    deadline = time.monotonic() + args.budget_s
+    while any(p.poll() is None for _, p in procs) and time.monotonic() < deadline:
+        time.sleep(2)
+    for _, p in procs:  # the trainer checkpoints on SIGTERM and exits 143
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for folder, p in procs:
+        p.wait()
+        print(f"{folder.name}: exit {p.returncode}, step {_steps(folder)}", flush=True)
+
+
+def _finished(folder: Path) -> bool:
+    """Reached its last step, or stopped by the trainer's NaN/spike detector."""
+    if any(e.get("kind") == "stop" for e in _jsonl(folder / "events.jsonl")):
+        return True
+    config = folder / "config.toml"
+    if not config.exists():
+        return False
+    import tomllib
+    max_steps = tomllib.loads(config.read_text())["run"]["max_steps"]
+    return _steps(folder) >= max_steps
+
+
+def _steps(folder: Path) -> int:
+    return len([m for m in _jsonl(folder / "metrics.jsonl") if "loss" in m])
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_divergence(losses: list[float]) -> int | None:
+    best = math.inf
+    for step, loss in enumerate(losses):
+        if not math.isfinite(loss) or loss >= best + DIVERGENCE:
+            return step
+        best = min(best, loss)
+    return None
+
+
+def summarise_run(folder: Path) -> dict:
+    losses = [m["loss"] for m in _jsonl(folder / "metrics.jsonl") if "loss" in m]
+    monitor = [r for r in _jsonl(folder / "monitor.jsonl") if "spectral" in r]
+    wq = [[[float(x) for x in heads] for heads in r["spectral"]["q"]] for r in monitor]  # step, layer, head
+    growth = None
+    if len(wq) >= 2:
+        rise = [[wq[-1][layer][h] / wq[0][layer][h] for h in range(len(wq[0][layer]))] for layer in range(len(wq[0]))]
+        layer, head = max(((li, hi) for li, heads in enumerate(rise) for hi in range(len(heads))),
+                          key=lambda lh: rise[lh[0]][lh[1]])
+        growth = {"layer": layer, "head": head, "ratio": rise[layer][head]}
+    attention = [r.get("attention") for r in monitor if r.get("attention")]
+    # the trainer's own loss stop (non-finite or spiking loss) counts as a divergence where the rule saw none yet
+    stops = [e["step"] for e in _jsonl(folder / "events.jsonl") if e.get("kind") == "stop"]
+    diverged = [s for s in (first_divergence(losses), *stops[:1]) if s is not None]
+    return {"steps": len(losses), "best_loss": min((x for x in losses if math.isfinite(x)), default=math.nan),
+            "final_loss": losses[-1] if losses else math.nan, "first_divergence": min(diverged, default=None),
+            "losses": losses[:: max(1, len(losses) // 500)], "monitor_steps": [r["step"] for r in monitor],
+            "wq_spectral": wq, "wq_growth": growth, "attention": attention}
+
+
+def verdict(arms: dict[str, list[dict]]) -> dict:
+    """The rule of docs/dose-response.md, part by part (the signatures need the δ diagnosis: reported as open)."""
+    def diverged(arm):
+        return [r["first_divergence"] is not None for r in arms.get(arm, [])]
+
+    def median_step(arm):
+        steps = sorted(r["first_divergence"] for r in arms.get(arm, []) if r["first_divergence"] is not None)
+        return steps[len(steps) // 2] if steps else None
+
+    short = {arm: [r["steps"] for r in runs if r["first_divergence"] is None and r["steps"] < 1000]
+             for arm, runs in arms.items()}
+    parts = {
+        "e8m4 diverges in >= 2 of 3": sum(diverged("e8m4")) >= 2,
+        "e8m3 diverges in >= 2 of 3": sum(diverged("e8m3")) >= 2,
+        "e8m3 before e8m4": (median_step("e8m3") is not None and median_step("e8m4") is not None
+                             and median_step("e8m3") < median_step("e8m4")),
+        **{f"{arm} holds in 3 of 3": len(diverged(arm)) == 3 and not any(diverged(arm))
+           for arm in ("fp32", "e8m4-sr", "e8m4-sfa")},
+    }
+    return {"parts": parts, "training_parts_met": all(parts.values()),
+            "median_first_divergence": {arm: median_step(arm) for arm in arms},
+            "runs_stopped_short_without_divergence": {arm: s for arm, s in short.items() if s},
+            "signatures": "open: `stableflash diagnose delta` and `isolate` from the first failing run's checkpoint"}
+
+
+def summarise(args) -> None:
+    arms: dict[str, list[dict]] = {}
+    for folder in sorted((args.out / "runs").iterdir()):
+        arm = folder.name.rsplit("-s", 1)[0]
+        arms.setdefault(arm, []).append(summarise_run(folder) | {"run": folder.name})
+    (args.out / "arms").mkdir(exist_ok=True)
+    for arm, runs in arms.items():
+        (args.out / "arms" / f"{arm}.json").write_text(json.dumps(runs))
+    result = verdict(arms)
+    (args.out / "verdict.json").write_text(json.dumps(result, indent=2))
+    print(f"{'arm':<12}{'seeds':>6}{'steps':>16}{'diverged at':>24}{'best loss':>22}")
+    for arm, runs in arms.items():
+        print(f"{arm:<12}{len(runs):>6}{str([r['steps'] for r in runs]):>16}"
+              f"{str([r['first_divergence'] for r in runs]):>24}{str([round(r['best_loss'], 3) for r in runs]):>22}")
+    print(json.dumps(result["parts"], indent=2))
+    _figures(args.out, arms)
+
+
+def _figures(out: Path, arms: dict[str, list[dict]]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for arm, runs in arms.items():
+        for i, r in enumerate(runs):
+            axes[0].plot(r["losses"], label=arm if i == 0 else None, color=f"C{list(arms).index(arm)}", lw=0.8)
+    axes[0].set(title="loss (subsampled)", xlabel="record", ylabel="loss")
+    axes[0].legend(fontsize=7)
+    for arm, bits in FRACTION_BITS.items():
+        steps = [r["first_divergence"] for r in arms.get(arm, [])]
+        axes[1].scatter([bits] * len(steps), [s if s is not None else math.nan for s in steps], label=arm)
+        held = [r["steps"] for r, s in zip(arms.get(arm, []), steps) if s is None]
+        axes[1].scatter([bits] * len(held), held, marker="^", facecolors="none", edgecolors="gray")
+    axes[1].set(title="first diverging step (▲: held until)", xlabel="fraction bits of the P̄V path", ylabel="step")
+    for arm, runs in arms.items():
+        for i, r in enumerate(runs):
+            if r["wq_growth"] is None:
+                continue
+            layer, head = r["wq_growth"]["layer"], r["wq_growth"]["head"]
+            axes[2].plot(r["monitor_steps"], [s[layer][head] for s in r["wq_spectral"]], lw=0.8,
+                         color=f"C{list(arms).index(arm)}", label=arm if i == 0 else None)
+    axes[2].set(title="W_Q spectral norm of each run's fastest-growing head", xlabel="step")
+    fig.tight_layout()
+    fig.savefig(out / "dose-response.png", dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--config", default="study-6l")
+    r.add_argument("--arms", default=",".join(ARMS))
+    r.add_argument("--seeds", default="0,1,2")
+    r.add_argument("--budget-s", type=float, default=540.0)
+    r.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
+    s = sub.add_parser("summarise")
+    s.add_argument("out", type=Path)
+    args = parser.parse_args()
+    (run if args.command == "run" else summarise)(args)
+
+
+if __name__ == "__main__":
+    main()
