@@ -122,3 +122,17 @@ def test_narrow_bf16_formats_dose_the_pv_error():
     assert unsupported_reason(fp32.with_sites(pv="e8m4"), None, torch.bfloat16) is None  # the kernels run them
     assert "stochastic" in unsupported_reason(fp32.with_rounding("stochastic", PV_PATH), None, torch.bfloat16)
     assert "fp16" in unsupported_reason(PRESETS["fa2"].with_rounding("toward_zero"), None, torch.float16)
+
+
+def test_only_production_fa2_numerics_run_the_native_kernels():
+    """The native kernels compute fa2 as such: a policy that differs only by a site in e8m4 (stored in fp32, as fa2
+    stores P̄V) or by a rounding mode must go to the emulation kernels, which round as it says."""
+    import torch
+
+    pytest.importorskip("triton")
+    from stableflash.attention.precision import PV_PATH
+    from stableflash.attention.triton.spec import build_spec
+
+    assert build_spec(PRESETS["fa2"], None, torch.bfloat16, 256).native
+    for policy in (PRESETS["fa2"].with_sites(pv="e8m4"), PRESETS["fa2"].with_rounding("toward_zero", PV_PATH)):
+        assert not build_spec(policy, None, torch.bfloat16, 256).native, policy.name

@@ -2,8 +2,9 @@
 
 `forward` and `backward` serve every caller: the eager `autograd.Function` and the `torch.library` ops (`ops.py`).
 With `traced=True` (inside a `triton_op` under torch.compile) each launch goes through `wrap_triton`, so that inductor
-sees the kernel and launches it from its own code; otherwise it is a plain Triton launch. Both take the tile from
-`tuning.TILE_PICKS` where a pick is held, else autotune (eagerly: once, and record the pick).
+sees the kernel and launches it from its own code; eagerly, the first launch of a specialisation goes through Triton
+and later ones through the compiled kernel (`compiled.py`). Both take the tile from `tuning.TILE_PICKS` where a pick
+is held, else autotune (eagerly: once, and record the pick).
 """
 
 from __future__ import annotations

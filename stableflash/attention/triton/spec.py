@@ -203,8 +203,8 @@ def _op_code(policy: Precision, storage_code: int) -> int:
 def is_native(policy: Precision, dtype: torch.dtype) -> bool:
     """Whether `policy` is production FA2's numerics, which the native kernels compute."""
     fa2 = PRESETS["fa2"]
-    same_sites = all(policy.dtype(s, dtype) == fa2.dtype(s, dtype) for s in SITES if s != "delta_terms")
-    return (same_sites and policy.tile_sum_clamp is None and policy.o_saved == "out"
+    same_sites = all(policy.format(s, dtype) == fa2.format(s, dtype) for s in SITES if s != "delta_terms")
+    return (same_sites and policy.rounding == "nearest" and policy.tile_sum_clamp is None and policy.o_saved == "out"
             and policy.delta_formula == "do_o" and policy.block_m == _NATIVE_TILE and policy.block_n == _NATIVE_TILE)
 
 
