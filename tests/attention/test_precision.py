@@ -120,7 +120,8 @@ def test_narrow_bf16_formats_dose_the_pv_error():
     torch.manual_seed(5)
     assert torch.equal(a, dosed("e8m3", "stochastic"))
     assert unsupported_reason(fp32.with_sites(pv="e8m4"), None, torch.bfloat16) is None  # the kernels run them
-    assert "stochastic" in unsupported_reason(fp32.with_rounding("stochastic", PV_PATH), None, torch.bfloat16)
+    assert unsupported_reason(fp32.with_rounding("stochastic", PV_PATH), None, torch.bfloat16) is None
+    assert "stochastic" in unsupported_reason(fp32.with_rounding("stochastic"), None, torch.bfloat16)  # every site
     assert "fp16" in unsupported_reason(PRESETS["fa2"].with_rounding("toward_zero"), None, torch.float16)
 
 
