@@ -52,6 +52,7 @@ def _drop_bits(x, SHIFT: tl.constexpr, TOWARD_ZERO: tl.constexpr):
 def _round(x, CODE: tl.constexpr):
     """Round an fp32 tensor to the format and mode of CODE (`spec`: format + 8 * mode), keeping it fp32. Formats:
     0 fp32 (unchanged), 1 bf16, 2 fp16, 3-6 e8m6-e8m3; modes: 0 nearest-even, 1 toward zero (not for fp16)."""
+    tl.static_assert(CODE < 16, "stochastic rounding needs each element's position: `_round_at`")
     if CODE == 1:
         if _INTERPRET:  # its bf16 tensors lose the subnormals' last bits: stay in fp32
             x = _drop_bits(x, 16, False)

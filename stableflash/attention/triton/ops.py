@@ -2,7 +2,8 @@
 
 The ops name the kernels' specialisation by its string (`spec.spec_name`). Two pairs:
 - `flash_fwd` / `flash_bwd` (`custom_op`): opaque to torch.compile, with fake implementations that describe the
-  outputs; used under the interpreter, and for the Gluon forward (inductor launches only Triton kernels);
+  outputs; used under the interpreter, for the Gluon forward (inductor launches only Triton kernels), and for a
+  forward that rounds stochastically (its seed is drawn when the call runs, not when it is traced);
 - `flash_fwd_traced` / `flash_bwd_traced` (`triton_op`): on a GPU, inductor traces into them and launches the kernels
   from its own generated code, with no Python op per call.
 """
