@@ -134,8 +134,8 @@ def flash_attention(
         "sdpa": the inputs' dtype). Differentiable with respect to q, k, v.
         Rows that see no key give O = 0 and zero gradients.
 
-    GQA, Tk != Tq, windows and key padding run on the reference, math and sdpa backends; "auto" takes the reference
-    for them, and "triton" refuses them (the fused kernels do not have them yet).
+    GQA runs in the fused kernels too (k and v are read per group, not repeated); Tk != Tq, windows and key padding
+    run on the reference, math and sdpa backends: "auto" takes the reference for them, and "triton" refuses them.
     """
     if layout not in ("bhtd", "bthd"):
         raise ValueError(f"layout: expected 'bhtd' (B, H, T, D) or 'bthd' (B, T, H, D), got {layout!r}")
@@ -165,20 +165,24 @@ def flash_attention(
             raise TypeError(f"stats: expected an AttentionStats, got {type(stats).__name__}")
         stats.check(q.shape[1])
 
-    extended = (k.shape[1] != q.shape[1] or k.shape[-2] != q.shape[-2] or key_padding_mask is not None
-                or (window is not None and tuple(window) != (-1, -1)))
+    masked = (k.shape[-2] != q.shape[-2] or key_padding_mask is not None
+              or (window is not None and tuple(window) != (-1, -1)))
+    grouped = k.shape[1] != q.shape[1]
+    # the fused kernels take grouped-query attention as such (no repeated k and v), one policy for every head
+    kernels_take = not masked and not (grouped and policy.head_override is not None)
+    extended = masked or grouped
     # only the extended calls build a mask description: the plain ones, the fused kernels' eager calls among them,
     # keep their host path as it was
     vis = Visibility(q.shape[-2], k.shape[-2], causal=causal, window=tuple(window or (-1, -1)),
                      key_padding=key_padding_mask) if extended else None
     if backend == "auto":
         backend = "reference"
-        if not extended and triton_available(q) and _triton_supports(policy.key, stabilizers.key_of(stabilize), q.dtype):
+        if kernels_take and triton_available(q) and _triton_supports(policy.key, stabilizers.key_of(stabilize), q.dtype):
             backend = "triton"
-    if extended:
-        if backend == "triton":
-            raise ValueError("backend: 'triton' has no GQA, Tk != Tq, window or key padding yet; use backend="
-                             "'reference' or 'auto' (which takes the reference for them)")
+    if backend == "triton" and not kernels_take:
+        raise ValueError("backend: 'triton' has no Tk != Tq, window or key padding yet, nor GQA with a per-head "
+                         "policy; use backend='reference' or 'auto' (which takes the reference for them)")
+    if extended and backend != "triton":
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     if backend in ("math", "sdpa"):
         if stabilize is not None:

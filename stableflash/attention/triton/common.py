@@ -65,6 +65,13 @@ def head_offset(bh, H, stride_b, stride_h):
 
 
 @triton.jit
+def kv_head_offset(bh, H, G, stride_b, stride_h):
+    """Element offset of the key/value head that query head divmod(bh, H) reads: each serves G query heads
+    (grouped-query attention; G = 1 is one per query head)."""
+    return (bh // H).to(tl.int64) * stride_b + ((bh % H) // G).to(tl.int64) * stride_h
+
+
+@triton.jit
 def load_rows(ptr, offs, stride_t, T, HEAD_DIM: tl.constexpr):
     """A (len(offs), HEAD_DIM) tile of rows `offs` of one head; rows past T read as 0."""
     return tl.load(ptr + offs[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :], mask=offs[:, None] < T, other=0.0)

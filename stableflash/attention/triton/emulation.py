@@ -23,6 +23,7 @@ from stableflash.attention.triton.common import (
     dot,
     fp32,
     head_offset,
+    kv_head_offset,
     load_lse,
     load_rows,
     mul_rn,
@@ -168,7 +169,7 @@ def _near_max(s, rm, eps):
 def attn_fwd(
     Q, K, V, O, OS, LSE, STAT_COUNTS, STAT_MAX,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_ot, H, T, scale, eps, LT, seed,
+    stride_ob, stride_oh, stride_ot, H, G, T, scale, eps, LT, seed,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, SAVE_OS: tl.constexpr, STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr,
     LOW: tl.constexpr, HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TILE_CLAMP: tl.constexpr,
@@ -183,8 +184,8 @@ def attn_fwd(
     scale, eps = fp32(scale), fp32(eps)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    k_off = head_offset(bh, H, stride_kb, stride_kh)
-    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    k_off = kv_head_offset(bh, H, G, stride_kb, stride_kh)
+    v_off = kv_head_offset(bh, H, G, stride_vb, stride_vh)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -310,7 +311,7 @@ def _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_
 def attn_bwd_delta_dpp(
     Q, K, V, DO, LSE, DELTA,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, H, T, qk_scale, LT,
+    stride_dob, stride_doh, stride_dot, H, G, T, qk_scale, LT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr,
     R_P: tl.constexpr, R_DP: tl.constexpr, R_DPP: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
@@ -320,8 +321,8 @@ def attn_bwd_delta_dpp(
     qk_scale = fp32(qk_scale)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    k_off = head_offset(bh, H, stride_kb, stride_kh)
-    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    k_off = kv_head_offset(bh, H, G, stride_kb, stride_kh)
+    v_off = kv_head_offset(bh, H, G, stride_vb, stride_vh)
     row_off = bh.to(tl.int64) * T
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
@@ -344,7 +345,7 @@ def attn_bwd_dq(
     Q, K, V, DO, O, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
-    H, T, qk_scale, scale, LT,
+    H, G, T, qk_scale, scale, LT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, DELTA_HERE: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
@@ -357,8 +358,8 @@ def attn_bwd_dq(
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    k_off = head_offset(bh, H, stride_kb, stride_kh)
-    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    k_off = kv_head_offset(bh, H, G, stride_kb, stride_kh)
+    v_off = kv_head_offset(bh, H, G, stride_vb, stride_vh)
     row_off = bh.to(tl.int64) * T
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
@@ -391,7 +392,7 @@ def attn_bwd_dq(
 def attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, T, qk_scale, scale, LQ,
+    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, G, T, qk_scale, scale, LQ,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_P_OP: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr,
@@ -406,8 +407,8 @@ def attn_bwd_dkdv(
     do_off = head_offset(bh, H, stride_dob, stride_doh)
     row_off = bh.to(tl.int64) * T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_rows(K + head_offset(bh, H, stride_kb, stride_kh), offs_n, stride_kt, T, HEAD_DIM)
-    v = load_rows(V + head_offset(bh, H, stride_vb, stride_vh), offs_n, stride_vt, T, HEAD_DIM)
+    k = load_rows(K + kv_head_offset(bh, H, G, stride_kb, stride_kh), offs_n, stride_kt, T, HEAD_DIM)
+    v = load_rows(V + kv_head_offset(bh, H, G, stride_vb, stride_vh), offs_n, stride_vt, T, HEAD_DIM)
     dk_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0

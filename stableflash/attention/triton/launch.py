@@ -149,6 +149,8 @@ def hopper_forward_tile(spec: KernelSpec, q, k, v, stats: bool):
     choice = hopper.FORWARD_TILES.get((q.shape[-1], spec.stab == 1 or stats))
     if choice is None or q.shape[-2] < choice.min_seq_len or spec.stab == 2 or spec.out_dtype != q.dtype:
         return None
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: the Triton forward
+        return None
     if not _is_hopper(q.device.index) or not tma_streamable(q, k, v):
         return None
     return choice.tile
@@ -185,8 +187,9 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
         counts = torch.empty(0, dtype=torch.int64, device=q.device)
         smax = torch.empty(0, dtype=torch.float32, device=q.device)
     eps = spec.eps if spec.stab == 1 else stats_eps * spec.units
-    args = (q, k, v, out, lse, counts, smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, T,
-            scale * spec.units, eps)
+    G = H // k.shape[1]  # query heads per key/value head (grouped-query attention)
+    tensors = (q, k, v, out, lse, counts, smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
+    args = (*tensors, H, G, T, scale * spec.units, eps)
     launch = dict(HEAD_DIM=D, CAUSAL=causal, STATS=stats)
 
     if not spec.native:
@@ -199,7 +202,8 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     if tile is not None:
         _allow_device_descriptors()
         constants, config = _hopper_constants(name, D, q.dtype, causal, tile, stats)
-        _run(hopper.attn_fwd, lambda _: hopper.grid(B * H, T, tile), args, constants, config, traced)
+        _run(hopper.attn_fwd, lambda _: hopper.grid(B * H, T, tile), (*tensors, H, T, scale * spec.units, eps),
+             constants, config, traced)
         return out, o_saved, lse, counts, smax
     meta = {**spec.forward_constants, **launch}
     either = _tma_candidates(spec, D, k, v)
@@ -215,19 +219,24 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
 
 
 def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str, traced: bool = False):
-    """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads."""
+    """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads.
+
+    With grouped-query attention (k and v with H / G heads) the dK/dV kernel writes one query head's share per
+    program into (B, H, T, D) buffers, summed over each group here, as flash-attn does."""
     spec = spec_named(name)
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
+    G = H // k.shape[1]
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     dq = empty_in_layout_of(q, q.dtype)
-    dk = empty_in_layout_of(k, k.dtype)
-    dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
+    per_head = q if G > 1 else k
+    dk = empty_in_layout_of(per_head, k.dtype)
+    dv = empty_in_layout_of(per_head, v.dtype)  # dK's strides: the kernel writes both through one set
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
-    dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, T,
+    dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, G, T,
                scale * spec.units, scale)
-    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, T, scale * spec.units, scale)
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, G, T, scale * spec.units, scale)
     launch = dict(HEAD_DIM=D, CAUSAL=causal)
 
     def rows(m):
@@ -242,12 +251,16 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
             _allow_device_descriptors()
         _run_tuned(NATIVE_DQ, rows, dq_args, launch, T=T, dtype=q.dtype, either=either, traced=traced)
         _run_tuned(NATIVE_DKDV, cols, dkdv_args, launch, T=T, dtype=q.dtype, either=either, traced=traced)
-        return dq, dk, dv
-    config = emulation_config(spec.ops_fp32, D)
-    if spec.delta_constants is not None:
-        _run(emulation.attn_bwd_delta_dpp, rows, (q, k, v, dout, lse, delta, *strides, H, T, scale, spec.logical_n),
-             {**spec.delta_constants, **launch}, config, traced)
-    _run(emulation.attn_bwd_dq, rows, (*dq_args, spec.logical_n), {**spec.dq_constants, **launch}, config, traced)
-    _run(emulation.attn_bwd_dkdv, cols, (*dkdv_args, spec.logical_m), {**spec.dkdv_constants, **launch}, config,
-         traced)
+    else:
+        config = emulation_config(spec.ops_fp32, D)
+        if spec.delta_constants is not None:
+            _run(emulation.attn_bwd_delta_dpp, rows,
+                 (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n),
+                 {**spec.delta_constants, **launch}, config, traced)
+        _run(emulation.attn_bwd_dq, rows, (*dq_args, spec.logical_n), {**spec.dq_constants, **launch}, config, traced)
+        _run(emulation.attn_bwd_dkdv, cols, (*dkdv_args, spec.logical_m), {**spec.dkdv_constants, **launch}, config,
+             traced)
+    if G > 1:
+        dk, dv = (torch.sum(t.unflatten(1, (H // G, G)), dim=2, out=empty_in_layout_of(like, t.dtype))
+                  for t, like in ((dk, k), (dv, k)))
     return dq, dk, dv

@@ -20,6 +20,7 @@ from stableflash.attention.triton.common import (
     dot,
     fp32,
     head_offset,
+    kv_head_offset,
     load_lse,
     load_rows,
     mul_rn,
@@ -125,7 +126,7 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
 def attn_fwd(
     Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_ot, H, T, scale, eps,
+    stride_ob, stride_oh, stride_ot, H, G, T, scale, eps,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
     BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr,
@@ -138,8 +139,8 @@ def attn_fwd(
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
-    k_off = head_offset(bh, H, stride_kb, stride_kh)
-    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    k_off = kv_head_offset(bh, H, G, stride_kb, stride_kh)
+    v_off = kv_head_offset(bh, H, G, stride_vb, stride_vh)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -216,7 +217,7 @@ def attn_bwd_dq(
     Q, K, V, DO, O, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
-    H, T, qk_scale, scale,
+    H, G, T, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
 ):
     """dQ (strides `stride_g*`) of one query tile, over the key tiles it sees. It first computes its rows'
@@ -224,8 +225,8 @@ def attn_bwd_dq(
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    k_off = head_offset(bh, H, stride_kb, stride_kh)
-    v_off = head_offset(bh, H, stride_vb, stride_vh)
+    k_off = kv_head_offset(bh, H, G, stride_kb, stride_kh)
+    v_off = kv_head_offset(bh, H, G, stride_vb, stride_vh)
     row_off = bh.to(tl.int64) * T
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
@@ -270,7 +271,7 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
 def attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, T, qk_scale, scale,
+    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, G, T, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
 ):
     """dK and dV (both with strides `stride_g*`) of one key tile, over the query tiles that see it."""
@@ -281,8 +282,8 @@ def attn_bwd_dkdv(
     do_off = head_offset(bh, H, stride_dob, stride_doh)
     row_off = bh.to(tl.int64) * T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_rows(K + head_offset(bh, H, stride_kb, stride_kh), offs_n, stride_kt, T, HEAD_DIM)
-    v = load_rows(V + head_offset(bh, H, stride_vb, stride_vh), offs_n, stride_vt, T, HEAD_DIM)
+    k = load_rows(K + kv_head_offset(bh, H, G, stride_kb, stride_kh), offs_n, stride_kt, T, HEAD_DIM)
+    v = load_rows(V + kv_head_offset(bh, H, G, stride_vb, stride_vh), offs_n, stride_vt, T, HEAD_DIM)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
 
