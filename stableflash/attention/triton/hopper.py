@@ -12,7 +12,7 @@ Production FA2 numerics only, with or without SFA and the statistics, exactly as
 per key tile (the `common.top2` pair reduction, `common.sfa_max`, the guarded P̄ = 1 count and `common.shift` of rows
 that have seen no finite score); emulated presets stay in Triton. Causal or not, any T (TMA zero-fills rows past T;
 columns past T are masked), head dims 64 and 128, bf16 and fp16, 16-byte aligned rows (one device-side descriptor per head).
-`launch.forward` launches it on sm_90 where `FORWARD_TILES` has a tile (research/gluon_forward.py measured them).
+`launch.forward` launches it on sm_90 where `FORWARD_TILES` has a tile (measured: results/kernel-variants/).
 """
 
 from __future__ import annotations
@@ -307,8 +307,8 @@ class Choice(NamedTuple):
 
 
 # By head dim and whether the softmax does SFA's or the statistics' work; None keeps the Triton forward. Forward
-# TFLOP/s from a CUDA graph, causal bf16, against our Triton forward in the same run (research/gluon_forward.py
-# --sweep; results/kernel-variants/) at T = 4096: D = 128 pingpong 1.07x plain, 1.14x with SFA +
+# TFLOP/s from a CUDA graph, causal bf16, against our Triton forward in the same run (the Gluon forward study's
+# sweeps, results/kernel-variants/) at T = 4096: D = 128 pingpong 1.07x plain, 1.14x with SFA +
 # statistics; D = 64 FA3's order on 8 warps 1.05x plain, 0.94x with SFA + statistics. Across two benchmark runs
 # (cuDNN within 2% in both): +16% plain at (1,16,16384,128), but -14% at (16,12,1024,64).
 # Below 4096 no same-run comparison exists, so the Triton forward stays there.
