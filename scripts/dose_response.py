@@ -2,7 +2,7 @@
 resumes from its checkpoint in the next call; `summarise` turns the runs into one JSON per arm, figures and the
 verdict by the rule written before the run.
 
-    python scripts/dose_response.py run --out OUT --budget-s 540        # call again to continue every run
+    python scripts/dose_response.py run --out OUT --budget-s 540 --steps 3000   # call again to continue every run
     python scripts/dose_response.py summarise OUT                       # OUT/arms/*.json, figures, OUT/verdict.json
 """
 
@@ -49,7 +49,7 @@ def run(args) -> None:
     for arm in args.arms.split(","):
         for seed in args.seeds.split(","):
             folder = runs / f"{arm}-s{seed}"
-            if _finished(folder):
+            if _finished(folder, args.steps):
                 continue
             resume = (folder / "checkpoint.pt").exists()
             command = [sys.executable, "-m", "stableflash", "train"]
@@ -57,7 +57,7 @@ def run(args) -> None:
             if not resume and folder.exists():  # stopped before it had trained a step: start it over
                 command.append("--overwrite")
             overrides = [] if resume else [*ARMS[arm], f"run.seed={seed}", *args.set]
-            for item in overrides:
+            for item in (*overrides, f"run.max_steps={args.steps}"):  # a later call may train further
                 command += ["--set", item]
             log = open(args.out / f"{arm}-s{seed}.log", "a")
             procs.append((folder, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)))
@@ -72,16 +72,11 @@ def run(args) -> None:
         print(f"{folder.name}: exit {p.returncode}, step {_steps(folder)}", flush=True)
 
 
-def _finished(folder: Path) -> bool:
-    """Reached its last step, or stopped by the trainer's NaN/spike detector."""
+def _finished(folder: Path, steps: int) -> bool:
+    """Trained `steps` steps, or stopped by the trainer's NaN/spike detector."""
     if any(e.get("kind") == "stop" for e in _jsonl(folder / "events.jsonl")):
         return True
-    config = folder / "config.toml"
-    if not config.exists():
-        return False
-    import tomllib
-    max_steps = tomllib.loads(config.read_text())["run"]["max_steps"]
-    return _steps(folder) >= max_steps
+    return _steps(folder) >= steps
 
 
 def _steps(folder: Path) -> int:
@@ -204,6 +199,7 @@ def main():
     r.add_argument("--arms", default=",".join(ARMS))
     r.add_argument("--seeds", default="0,1,2")
     r.add_argument("--budget-s", type=float, default=540.0)
+    r.add_argument("--steps", type=int, default=3000, help="train every run to this step (a later call may raise it)")
     r.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
     s = sub.add_parser("summarise")
     s.add_argument("out", type=Path)

@@ -9,5 +9,5 @@ set -euo pipefail
 out=${1:?usage: scripts/dose_response.sh OUT [BUDGET]}
 budget=${2:-540}
 python3 scripts/dose_response.py run --out "$out" --budget-s "$budget" --config study-6l \
-  --set data.dataset=debian-docs --set data.data_dir=data --set model.vocab_size=8192 --set run.max_steps=3000
+  --steps 3000 --set data.dataset=debian-docs --set data.data_dir=data --set model.vocab_size=8192
 python3 scripts/dose_response.py summarise "$out"
