@@ -5,7 +5,8 @@ Layout:
 - `native.py`: production FA2 numerics, the fast path; `hopper.py`: its forward in Gluon on sm_90;
 - `emulation.py`: every rounding site of any supported policy, bit-equal to the reference;
 - `common.py`: helpers both share; `tuning.py`: autotuning and the tile picks; `options.py`: the user's switches;
-- `launch.py`: allocation and launches; `ops.py`: the autograd Function and the `torch.library` ops.
+- `launch.py`: allocation and launches; `compiled.py`: eager launches of compiled kernels (the one seam below
+  Triton's launch); `ops.py`: the autograd Function and the `torch.library` ops.
 
 Public here: `attention`, `supports`, `supports_policy`, `pick_tiles`, the tile picks' `tile_picks_state_dict` /
 `load_tile_picks` (what a checkpoint keeps), and `KernelOptions` / `kernel_options` / `set_kernel_options`.
