@@ -143,6 +143,22 @@ def verdict(arms: dict[str, list[dict]]) -> dict:
             "signatures": "open: `stableflash diagnose delta` and `isolate` from the first failing run's checkpoint"}
 
 
+def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
+    """For the first run to diverge (of the nearest-rounding arms): the signed cumulative δ error at the layer whose
+    W_Q head grew most, and the seed's isolation, both from the checkpoint before its divergence."""
+    failing = [r for arm in ("e8m3", "e8m4", "paper") for r in arms.get(arm, []) if r["first_divergence"] is not None]
+    if not failing:
+        return []
+    first = min(failing, key=lambda r: r["first_divergence"])
+    run = out / "runs" / first["run"]
+    before = run / "checkpoint-previous.pt"
+    layer = first["wq_growth"]["layer"] if first["wq_growth"] else 0
+    return [f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {before} --replay {run} "
+            f"--steps 50 --layer {layer} --out {out / 'diagnose-delta'}",
+            f"stableflash isolate --config {run / 'config.toml'} --replay {run} --from-checkpoint {before} "
+            f"--experiments all --layer {layer} --jobs 5 --out {out / 'isolate'}"]
+
+
 def summarise(args) -> None:
     arms: dict[str, list[dict]] = {}
     for folder in sorted((args.out / "runs").iterdir()):
@@ -151,13 +167,15 @@ def summarise(args) -> None:
     (args.out / "arms").mkdir(exist_ok=True)
     for arm, runs in arms.items():
         (args.out / "arms" / f"{arm}.json").write_text(json.dumps(runs))
-    result = verdict(arms)
+    result = verdict(arms) | {"diagnosis": diagnosis_commands(args.out, arms)}
     (args.out / "verdict.json").write_text(json.dumps(result, indent=2))
     print(f"{'arm':<12}{'seeds':>6}{'steps':>16}{'diverged at':>24}{'best loss':>22}")
     for arm, runs in arms.items():
         print(f"{arm:<12}{len(runs):>6}{str([r['steps'] for r in runs]):>16}"
               f"{str([r['first_divergence'] for r in runs]):>24}{str([round(r['best_loss'], 3) for r in runs]):>22}")
     print(json.dumps(result["parts"], indent=2))
+    for command in result["diagnosis"]:
+        print(command)
     _figures(args.out, arms)
 
 

@@ -118,3 +118,15 @@ def test_dose_response_divergence_rule():
     assert first_divergence([5.0, 4.0, 3.0, 3.5, 3.9]) is None
     assert first_divergence([5.0, 4.0, 3.0, 4.0]) == 3  # 1.0 above the best so far
     assert first_divergence([5.0, float("nan")]) == 1
+
+
+def test_dose_response_points_the_diagnosis_at_the_first_divergence(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dose_response import diagnosis_commands
+
+    arms = {"e8m4": [{"run": "e8m4-s0", "first_divergence": 900, "wq_growth": {"layer": 2}},
+                     {"run": "e8m4-s1", "first_divergence": None, "wq_growth": None}],
+            "e8m3": [{"run": "e8m3-s0", "first_divergence": 400, "wq_growth": {"layer": 1}}]}
+    delta, isolate = diagnosis_commands(tmp_path, arms)
+    assert "e8m3-s0/checkpoint-previous.pt" in delta and "--layer 1" in delta and "isolate" in isolate
+    assert diagnosis_commands(tmp_path, {"fp32": [{"run": "fp32-s0", "first_divergence": 5, "wq_growth": None}]}) == []

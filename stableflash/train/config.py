@@ -246,6 +246,9 @@ class RunConfig:
     eval_interval: int = 50
     eval_batches: int = 4
     checkpoint_interval: int = 50
+    keep_previous_checkpoint: bool = False
+    """Also keep the checkpoint before the latest (`checkpoint-previous.pt`): after a stop on a diverging loss,
+    the state before the divergence, for its diagnosis."""
     log_interval: int = 1
     deterministic: bool = True
     """torch.use_deterministic_algorithms and a fixed CPU thread count (bit-identical reruns on CPU, on any

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +131,9 @@ def _provenance(cfg: TrainConfig, device: torch.device) -> dict:
     return info
 
 
+PREVIOUS_CHECKPOINT = "checkpoint-previous.pt"
+
+
 def _kernels():
     """The fused attention's public seam (`stableflash.attention.triton`), or None where Triton is not installed."""
     if importlib.util.find_spec("triton") is None:
@@ -209,9 +213,25 @@ class Trainer:
             # replay of this run from its own checkpoint finds it
             if self.batch_log is not None and (self.replay is None or self.step in self.replay.recorded):
                 self.batch_log.record(self.step, self.batch_offsets(self.step))
+            if self.cfg.run.keep_previous_checkpoint:
+                self._keep_previous_checkpoint()
             save_checkpoint(self.run_dir, self._state())
         if self.world > 1:
             dist.barrier()
+
+    def _keep_previous_checkpoint(self) -> None:
+        """The latest checkpoint becomes `checkpoint-previous.pt` before a new one replaces it: by a hard link
+        (no copy; the latest stays in place until the new one is written) where the filesystem has them."""
+        latest = self.run_dir / "checkpoint.pt"
+        if not latest.exists():
+            return
+        tmp = self.run_dir / (PREVIOUS_CHECKPOINT + ".tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(latest, tmp)
+        except OSError:
+            shutil.copyfile(latest, tmp)
+        os.replace(tmp, self.run_dir / PREVIOUS_CHECKPOINT)
 
     def _load(self) -> None:
         state = load_checkpoint(self.run_dir, map_location=self.device)

@@ -195,3 +195,19 @@ def test_openwebtext_without_the_extra_says_how_to_install_it(tmp_path, capsys):
 def test_explain_add_takes_negative_infinity_without_a_separator(capsys):
     assert main(["explain-add", "1", "-inf"]) == 2  # a value, refused for what it is: not an option
     assert "expected a finite number" in capsys.readouterr().err
+
+
+def test_the_previous_checkpoint_is_kept_when_asked(tmp_path, tiny):
+    """`run.keep_previous_checkpoint`: the checkpoint before the latest stays, as a whole, loadable checkpoint (after
+    a stop on a diverging loss: the state before the divergence)."""
+    from stableflash.train.checkpoint import load_checkpoint
+    from stableflash.train.loop import PREVIOUS_CHECKPOINT, train
+
+    run = tmp_path / "run"
+    train(tiny("run.max_steps=5", "run.checkpoint_interval=2", "run.keep_previous_checkpoint=true"), run)
+    assert load_checkpoint(run)["step"] == 5
+    assert load_checkpoint(run, name=PREVIOUS_CHECKPOINT)["step"] == 4
+    assert not list(run.glob("*.tmp*"))
+    other = tmp_path / "other"
+    train(tiny("run.max_steps=5", "run.checkpoint_interval=2"), other)
+    assert not (other / PREVIOUS_CHECKPOINT).exists()
