@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
+import os
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -28,13 +30,18 @@ def write_memmaps(token_chunks: Iterable[np.ndarray], out_dir: Path, val_fractio
     if tokens.size < 2:
         raise ValueError("the corpus produced fewer than 2 tokens")
     split = int(tokens.size * (1 - val_fraction))
+    # each writer its own temporary files, each file replaced atomically, meta.json (what readers check) last: runs
+    # that start together in a fresh folder may all prepare the embedded corpus at once
+    unique = f".tmp{os.getpid()}-{threading.get_ident()}"
     for name, part in (("train", tokens[:split]), ("val", tokens[split:])):
-        tmp = out_dir / f"{name}.bin.tmp"
+        tmp = out_dir / f"{name}.bin{unique}"
         part.tofile(tmp)
         tmp.replace(out_dir / f"{name}.bin")
     meta = {**meta, "train_tokens": int(split), "val_tokens": int(tokens.size - split),
             "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+    tmp = out_dir / f"meta.json{unique}"
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(out_dir / "meta.json")
     return meta
 
 

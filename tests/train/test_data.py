@@ -58,3 +58,28 @@ def test_debian_docs_corpus_on_a_small_slice(tmp_path):
     tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
     first = tokens[: int(np.argmax(tokens == meta["eot"]))]
     assert tokenizer.decode(first.tolist()) == docs[0] and tokenizer.token_to_id(EOT) == meta["eot"]
+
+
+def test_runs_that_start_together_can_all_prepare_the_embedded_corpus(tmp_path):
+    """Several runs starting at once in a fresh folder (the study scripts' parallel arms) each prepare the embedded
+    corpus; none may fail on another's temporary file, and all read the same tokens."""
+    import threading
+
+    from stableflash.train.data import ensure_embedded
+
+    results, errors = [], []
+
+    def prepare():
+        try:
+            results.append(ensure_embedded(tmp_path / "data").vocab_size)
+        except Exception as error:  # noqa: BLE001 - the test reports any failure
+            errors.append(error)
+
+    threads = [threading.Thread(target=prepare) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [256] * 4
+    assert sorted(p.name for p in (tmp_path / "data" / "shakespeare-char").iterdir()) == ["meta.json", "train.bin",
+                                                                                         "val.bin"]
