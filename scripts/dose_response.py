@@ -43,9 +43,12 @@ DIVERGENCE = 1.0
 
 def run(args) -> None:
     """Start or resume every (arm, seed) run not yet finished; stop them all with a checkpoint at the budget."""
+    unknown = sorted(set(args.arms.split(",")) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; arms: {list(ARMS)}")
     runs = args.out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    procs = []
+    procs, logs = [], []
     for arm in args.arms.split(","):
         for seed in args.seeds.split(","):
             folder = runs / f"{arm}-s{seed}"
@@ -59,8 +62,8 @@ def run(args) -> None:
             overrides = [] if resume else [*ARMS[arm], f"run.seed={seed}", *args.set]
             for item in (*overrides, f"run.max_steps={args.steps}"):  # a later call may train further
                 command += ["--set", item]
-            log = open(args.out / f"{arm}-s{seed}.log", "a")
-            procs.append((folder, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)))
+            logs.append(open(args.out / f"{arm}-s{seed}.log", "a"))
+            procs.append((folder, subprocess.Popen(command, stdout=logs[-1], stderr=subprocess.STDOUT)))
     deadline = time.monotonic() + args.budget_s
     while any(p.poll() is None for _, p in procs) and time.monotonic() < deadline:
         time.sleep(2)
@@ -70,6 +73,8 @@ def run(args) -> None:
     for folder, p in procs:
         p.wait()
         print(f"{folder.name}: exit {p.returncode}, step {_steps(folder)}", flush=True)
+    for log in logs:
+        log.close()
 
 
 def _finished(folder: Path, steps: int) -> bool:
