@@ -211,3 +211,18 @@ def test_the_previous_checkpoint_is_kept_when_asked(tmp_path, tiny):
     other = tmp_path / "other"
     train(tiny("run.max_steps=5", "run.checkpoint_interval=2"), other)
     assert not (other / PREVIOUS_CHECKPOINT).exists()
+
+
+def test_a_checkpoint_with_pickled_layer_attentions_still_resumes(tmp_path, tiny):
+    """Earlier versions pickled each layer's `LayerAttention` into the checkpoint (now: its config): such a
+    checkpoint still resumes, with the attention it saved."""
+    from stableflash.train.checkpoint import load_checkpoint, save_checkpoint
+    from stableflash.train.config import AttentionConfig
+
+    run = tmp_path / "run"
+    train(tiny("run.max_steps=2"), run)
+    state = load_checkpoint(run)
+    state["attention"] = [AttentionConfig(**saved).layer_attention(None) for saved in state["attention"]]
+    save_checkpoint(run, state)
+    assert main(["train", "--resume", str(run), "--set", "run.max_steps=3"]) == 0
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl") if "loss" in m] == [1, 2, 3]
