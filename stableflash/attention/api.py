@@ -170,11 +170,10 @@ def flash_attention(
     grouped = k.shape[1] != q.shape[1]
     # the fused kernels take grouped-query attention as such (no repeated k and v), one policy for every head
     kernels_take = not masked and not (grouped and policy.head_override is not None)
-    extended = masked or grouped
-    # only the extended calls build a mask description: the plain ones, the fused kernels' eager calls among them,
-    # keep their host path as it was
+    # only masked calls build a mask description: the others, the fused kernels' eager calls among them, keep
+    # their host path as it was
     vis = Visibility(q.shape[-2], k.shape[-2], causal=causal, window=tuple(window or (-1, -1)),
-                     key_padding=key_padding_mask) if extended else None
+                     key_padding=key_padding_mask) if masked else None
     if backend == "auto":
         backend = "reference"
         if kernels_take and triton_available(q) and _triton_supports(policy.key, stabilizers.key_of(stabilize), q.dtype):
@@ -182,7 +181,7 @@ def flash_attention(
     if backend == "triton" and not kernels_take:
         raise ValueError("backend: 'triton' has no Tk != Tq, window or key padding yet, nor GQA with a per-head "
                          "policy; use backend='reference' or 'auto' (which takes the reference for them)")
-    if extended and backend != "triton":
+    if grouped and backend != "triton":
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     if backend in ("math", "sdpa"):
         if stabilize is not None:
@@ -193,7 +192,7 @@ def flash_attention(
             return _math_attention(q, k, v, scale, vis or Visibility(q.shape[-2], k.shape[-2], causal=causal), stats)
         if stats is not None:
             raise ValueError("stats: backend 'sdpa' cannot count; use 'math', 'reference' or 'triton'")
-        if extended:
+        if masked:
             hidden = vis.hidden(0, q.shape[-2], 0, k.shape[-2], q.device)
             if hidden is not None and hidden.all(-1).any():
                 raise ValueError("backend: 'sdpa' gives NaN where a query sees no key; use 'reference' or 'math'")

@@ -253,8 +253,9 @@ class Trainer:
         set_rng_state(state["rng"])
         if "monitor" in state:
             self.monitor.load_state_dict(state["monitor"])
-        if state.get("tile_picks") and _kernels() is not None:
-            left_out = _kernels().load_tile_picks(state["tile_picks"])
+        kernels = _kernels()
+        if state.get("tile_picks") and kernels is not None:
+            left_out = kernels.load_tile_picks(state["tile_picks"])
             if left_out:
                 message = (f"{left_out} of the checkpoint's tile picks are for kernels this version does not have: "
                            "those launches autotune again, so the continuation may differ in its last bits")

@@ -72,6 +72,16 @@ def kv_head_offset(bh, H, G, stride_b, stride_h):
 
 
 @triton.jit
+def query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M: tl.constexpr):
+    """A backward program over one query tile, grid (query tiles, heads): (batch·head, its key and value heads'
+    offsets, its rows' offset in the (B·H, T) statistics, its query rows)."""
+    bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return (bh, kv_head_offset(bh, H, G, stride_kb, stride_kh), kv_head_offset(bh, H, G, stride_vb, stride_vh),
+            bh.to(tl.int64) * T, offs_m)
+
+
+@triton.jit
 def load_rows(ptr, offs, stride_t, T, HEAD_DIM: tl.constexpr):
     """A (len(offs), HEAD_DIM) tile of rows `offs` of one head; rows past T read as 0."""
     return tl.load(ptr + offs[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :], mask=offs[:, None] < T, other=0.0)

@@ -261,6 +261,5 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         _run(emulation.attn_bwd_dkdv, cols, (*dkdv_args, spec.logical_m), {**spec.dkdv_constants, **launch}, config,
              traced)
     if G > 1:
-        dk, dv = (torch.sum(t.unflatten(1, (H // G, G)), dim=2, out=empty_in_layout_of(like, t.dtype))
-                  for t, like in ((dk, k), (dv, k)))
+        dk, dv = (torch.sum(t.unflatten(1, (H // G, G)), dim=2, out=empty_in_layout_of(k, t.dtype)) for t in (dk, dv))
     return dq, dk, dv

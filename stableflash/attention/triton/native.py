@@ -24,6 +24,7 @@ from stableflash.attention.triton.common import (
     load_lse,
     load_rows,
     mul_rn,
+    query_tile_program,
     sfa_max,
     shift,
     store_rows,
@@ -224,11 +225,7 @@ def attn_bwd_dq(
     δ = rowsum(dO ∘ O) and stores it for the dK/dV kernel, launched after it: one launch fewer than a δ pass."""
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    k_off = kv_head_offset(bh, H, G, stride_kb, stride_kh)
-    v_off = kv_head_offset(bh, H, G, stride_vb, stride_vh)
-    row_off = bh.to(tl.int64) * T
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
     o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # before Q is loaded: fewer tiles live at once
