@@ -44,6 +44,9 @@ def implementations(num_heads):
         "stableflash-sfa": _ours(stabilize=SFA()),
         "stableflash-sfa-stats": _ours(stabilize=SFA(), stats=stats),
         "stableflash-paper": _ours(precision="paper"),
+        # grouped-query attention (k, v with H / 4 heads, `GROUPED`): the same FLOPs as the MHA rows
+        "stableflash-gqa": _ours(),
+        "stableflash-sfa-gqa": _ours(stabilize=SFA()),
         # the dose-response study's numerics, as a ratio to `paper` (the same emulation kernels, other roundings)
         "stableflash-pv-e8m4": _ours(precision=emulated_variant("paper+pv-e8m4")),
         "stableflash-pv-e8m4-tz": _ours(precision=emulated_variant("paper+pv-e8m4-tz")),
@@ -57,11 +60,18 @@ def implementations(num_heads):
     }
 
 
-def measure(fn, shape, mode: str) -> float:
+GROUPED = {"stableflash-gqa": 4, "stableflash-sfa-gqa": 4}  # query heads per key/value head
+
+
+def measure(fn, shape, mode: str, group: int = 1) -> float:
     """Median milliseconds of fn on fresh random inputs: forward ("fwd"), forward+backward ("fwdbwd"), or either
-    replayed from a CUDA graph ("fwd_graph", "fwdbwd_graph": device time without the host's launch work)."""
+    replayed from a CUDA graph ("fwd_graph", "fwdbwd_graph": device time without the host's launch work). With
+    `group` > 1, k and v have H / group heads."""
     grad = mode.startswith("fwdbwd")
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
+    B, H, T, D = shape
+    q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    k, v = (torch.randn(B, H // group, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+            for _ in range(2))
     if mode == "fwd":
         with torch.no_grad():
             return triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=200, return_mode="median")
@@ -107,7 +117,7 @@ def main():
                     row[key] = None
                     continue
                 try:
-                    ms = measure(impls[name], shape, mode)
+                    ms = measure(impls[name], shape, mode, GROUPED.get(name, 1))
                     row[key] = flops / (ms * 1e-3) / 1e12
                 except (RuntimeError, torch.OutOfMemoryError) as error:  # e.g. a backend that refuses the shape
                     row[key] = None
@@ -151,7 +161,7 @@ def print_summary(rows):
         return "-" if x is None or y is None else f"{100 * (1 - x / y):.1f}%"
 
     print(f"\n{'shape':<22}{'timing':<8}{'sfa/fa2':>9}{'sfa/cudnn':>11}{'sfa cost':>10}{'stats cost':>12}{'paper/tiled':>13}"
-          f"{'e8m4/paper':>12}{'tz/paper':>10}{'sr/paper':>10}  (fwd+bwd)")
+          f"{'e8m4/paper':>12}{'tz/paper':>10}{'sr/paper':>10}{'gqa/mha':>9}{'sfa gqa/mha':>13}  (fwd+bwd)")
     for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
         for timing, key in (("eager", "fwdbwd_tflops"), ("graph", "fwdbwd_tflops_cudagraph")):
             # the tiled reference has no graph column: its ratio is eager on both lines
@@ -162,7 +172,9 @@ def print_summary(rows):
                   f"{ratio(shape, 'stableflash-paper', 'torch-tiled-paper', 'fwdbwd_tflops'):>13}"
                   f"{ratio(shape, 'stableflash-pv-e8m4', 'stableflash-paper', key):>12}"
                   f"{ratio(shape, 'stableflash-pv-e8m4-tz', 'stableflash-paper', key):>10}"
-                  f"{ratio(shape, 'stableflash-pv-e8m4-sr', 'stableflash-paper', key):>10}")
+                  f"{ratio(shape, 'stableflash-pv-e8m4-sr', 'stableflash-paper', key):>10}"
+                  f"{ratio(shape, 'stableflash-gqa', 'stableflash', key):>9}"
+                  f"{ratio(shape, 'stableflash-sfa-gqa', 'stableflash-sfa', key):>13}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The eager launch seam (`triton/compiled.py`) with stand-in kernels: no GPU needed.
 
 The first launch of a specialisation goes through the kernel's `kernel[grid](...)`; later ones through the compiled
-kernel with every parameter's value in the kernel's order, which is how `JITFunction.run` launches it."""
+kernel's launcher with every parameter's value in the kernel's order, which is how `JITFunction.run` launches it:
+directly, or through `compiled[grid](...)` where a profiler's launch hook is registered."""
 
 from types import SimpleNamespace
 
@@ -30,16 +31,29 @@ class StandInKernel:
 
 
 class StandInCompiled:
+    """A compiled kernel's launcher as Triton 3.6 calls it: grid, stream, function, packed metadata, launch metadata,
+    the two hooks, then every parameter's value."""
+
+    function, packed_metadata = "function", "packed"
+
     def __init__(self, owner):
         self.owner = owner
 
+    def run(self, x, y, z, stream, function, packed, metadata, enter, exit_, *values):
+        assert (stream, function, packed, metadata, enter, exit_) == (STREAM, "function", "packed", None, None, None)
+        self.owner.launches.append(((x, y, z), values))
+
     def __getitem__(self, grid):
-        return lambda *values: self.owner.launches.append((grid, values))
+        return lambda *values: self.owner.launches.append(("hooked", grid, values))
+
+
+STREAM = 1234
 
 
 @pytest.fixture
 def launches(monkeypatch):
     monkeypatch.setattr(compiled, "_device", lambda: 0)
+    monkeypatch.setattr(compiled, "_stream", lambda device: STREAM)
     return compiled.CompiledLaunches()
 
 
@@ -80,3 +94,20 @@ def test_a_parameter_left_without_a_value_is_named(launches):
     kernel = StandInKernel(["X", "HEAD_DIM", "BLOCK_M"], {})
     with pytest.raises(KeyError, match="HEAD_DIM"):
         compiled.trailing_values(kernel, 1, {}, triton.Config({"BLOCK_M": 64}))
+
+
+def test_a_registered_launch_hook_gets_the_launch(launches):
+    kernel = _kernel()
+    config = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)
+    x = torch.zeros(64)
+    seen = []
+    hook = seen.append
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert compiled._hooks_registered()
+        for _ in range(2):
+            launches.launch(kernel, lambda tile: (5,), (x, 100, 0.5), {"HEAD_DIM": 16}, config)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert not compiled._hooks_registered()
+    assert kernel.launches == [("hooked", (5, 1, 1), (x, 100, 0.5, 16, 64, True, 7))]

@@ -85,3 +85,53 @@ def test_unsupported_arguments_are_named():
             block.attn.attn_dropout.p = 0.5
             block.attn.attention_dropout = 0.5
         model.train()(input_ids=torch.zeros(1, 5, dtype=torch.long))
+
+
+def _gpu_llama(impl, seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=impl).cuda().to(torch.bfloat16)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the fused kernels)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("impl", ["stableflash", "stableflash_sfa"])
+def test_llama_in_the_kernels_matches_sdpa_on_the_gpu(impl, monkeypatch):
+    """GQA (4 query heads, 2 key/value heads) through the fused kernels, in bf16: logits and gradients within bf16's
+    tolerance of `sdpa`'s."""
+    from stableflash.attention.triton import launch
+
+    register()
+    launched = []
+    forward = launch.forward
+    monkeypatch.setattr(launch, "forward", lambda *a, **kw: launched.append(a[1].shape) or forward(*a, **kw))
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    ids = torch.randint(0, 512, (3, 201), generator=torch.Generator().manual_seed(seed)).cuda()
+    results = {}
+    for which in ("sdpa", impl):
+        model = _gpu_llama(which)
+        logits = model(input_ids=ids).logits
+        logits.float().square().mean().backward()
+        results[which] = logits.detach().float(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    assert launched and all(shape[1] == 2 for shape in launched), f"the kernels did not take k, v of 2 heads: {launched}"
+    assert _rel(results[impl][0], results["sdpa"][0]) < 2e-2, f"seed {seed}"
+    assert _rel(results[impl][1], results["sdpa"][1]) < 5e-2, f"seed {seed}"
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_compiled_llama_has_no_graph_breaks():
+    register()
+    model = _gpu_llama("stableflash_sfa")
+    ids = torch.randint(0, 512, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    explanation = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)

@@ -3,9 +3,13 @@
 Triton's `JITFunction.run` binds and specialises every argument on every call: on the H200's host an eager
 forward+backward at (16, 12, 1024, 64), three launches, spent ~0.9 ms of host time on ~0.39 ms of GPU work
 (results/kernel-library/). Here the first launch of each specialisation goes through Triton, which compiles it and
-returns the compiled kernel; later launches call that kernel's own `compiled[grid](*values)` with the value of every
-parameter in order, as `JITFunction.run` passes them. The key holds what Triton specialises on: the kernel, its
-compile-time arguments and tile, the device, integer arguments (exactly), and tensors by dtype and 16-byte alignment.
+returns the compiled kernel; later launches call that kernel's launcher with the value of every parameter in order,
+as `JITFunction.run` passes them. The key holds what Triton specialises on: the kernel, its compile-time arguments
+and tile, the device, integer arguments (exactly), and tensors by dtype and 16-byte alignment.
+
+Where no profiler hook is registered the launcher is called directly, without launch metadata: Triton 3.6 keeps its
+launch hooks as chains that are never None, so `compiled[grid](...)` builds a metadata dict and calls two empty chains
+from C on every launch. With a hook registered (a profiler) the launch goes through `compiled[grid](...)` as usual.
 """
 
 from __future__ import annotations
@@ -16,6 +20,19 @@ import triton
 
 def _device() -> int:
     return torch.cuda.current_device()
+
+
+def _stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _hooks_registered() -> bool:
+    """Whether a launch enter or exit hook is set (a non-empty chain, or a plain callable in older Triton)."""
+    runtime = triton.knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 class CompiledLaunches:
@@ -30,8 +47,9 @@ class CompiledLaunches:
 
     def launch(self, kernel, grid, args: tuple, meta: dict, config: triton.Config) -> None:
         """Launch `kernel` on `grid(config.kwargs)` with runtime `args` (positional, in order) and compile-time `meta`."""
+        device = _device()
         # exact type tests: the arguments are tensors, ints and floats, and `isinstance` per argument costs more
-        key = (kernel, config, _device(), *meta.items(),
+        key = (kernel, config, device, *meta.items(),
                *[a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) for a in args if type(a) is not float])
         hit = self._cache.get(key)
         dims = grid(config.kwargs)
@@ -41,7 +59,12 @@ class CompiledLaunches:
             self._cache[key] = (compiled, trailing_values(kernel, len(args), meta, config))
             return
         compiled, trailing = hit
-        compiled[(dims[0], dims[1] if len(dims) > 1 else 1, 1)](*args, *trailing)
+        x, y = dims[0], dims[1] if len(dims) > 1 else 1
+        if _hooks_registered():
+            compiled[(x, y, 1)](*args, *trailing)
+        else:
+            compiled.run(x, y, 1, _stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+                         *args, *trailing)
 
 
 def trailing_values(kernel, num_args: int, meta: dict, config: triton.Config) -> tuple:
