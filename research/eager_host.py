@@ -54,13 +54,46 @@ def measure(fn, shape) -> dict:
     return {"eager_ms": eager, "graph_ms": graph, "host_us": host_us(step, 200)}
 
 
+def profile_steps(shape, steps: int) -> None:
+    """Where the host's time goes in the steady state: the queue runs ahead, as in the eager benchmark."""
+    import cProfile
+    import pstats
+
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    fn = calls(shape[1])["fa2"]
+
+    def run(n):
+        for _ in range(n):
+            q.grad = k.grad = v.grad = None
+            fn(q, k, v).backward(dout)
+
+    run(20)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run(steps)
+    torch.cuda.synchronize()
+    print(f"{(time.perf_counter() - start) / steps * 1e6:.1f} us per step, unprofiled")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run(steps)
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", default="16,12,1024,64")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="instead: cProfile this many back-to-back fa2 steps (no sync between them), print the top")
     args = parser.parse_args()
     shape = tuple(int(x) for x in args.shape.split(","))
+    if args.profile:
+        profile_steps(shape, args.profile)
+        return
     B, H, T, D = shape
     flops = 3.5 * 4 * B * H * T * T * D / 2
     rows = []

@@ -71,7 +71,11 @@ class AttentionStats:
     def add(self, heads: torch.Tensor | slice, rows, repeated_max_rows, pbar_ones, max_score) -> None:
         """Accumulate per-head counts for the heads `heads` (a slice or an index tensor); `rows` may be one number
         for every head. With a slice, each counter is one in-place kernel. (Eagerly the Triton kernels skip this and
-        add to `kernel_targets` themselves: at small sizes these launches cost more than the kernels they follow.)"""
+        add to `kernel_targets` themselves: at small sizes these launches cost more than the kernels they follow.)
+        The values are taken detached: totals that joined the autograd graph would, in a compiled step, be an input
+        needing a gradient, and the next micro-batch's backward would run this one's graph a second time."""
+        rows, repeated_max_rows, pbar_ones, max_score = (
+            t.detach() if isinstance(t, torch.Tensor) else t for t in (rows, repeated_max_rows, pbar_ones, max_score))
         self._to(max_score.device)
         self.rows[heads] += rows
         self.repeated_max_rows[heads] += repeated_max_rows

@@ -21,9 +21,12 @@ from stableflash.integrations.watch import active_watch
 IMPLEMENTATIONS = {"stableflash": None, "stableflash_sfa": SFA()}
 
 
-def _packed_offsets(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """Cumulative sequence lengths of a packed row (batch 1, positions restarting at 0), or None if not packed."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+def _packed_offsets(position_ids: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
+    """Cumulative sequence lengths of a packed row (batch 1, positions restarting at 0), or None if not packed.
+    Only a batch of one row can be packed (as transformers' own flash-attn path decides, from shapes alone): models
+    hand every batch a (1, T) `position_ids`, and reading its values would cost a sync and, compiled, a graph break
+    in every layer."""
+    if batch_size != 1 or position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
         return None
     starts = (position_ids[0] == 0).nonzero().flatten()
     if starts.numel() <= 1:
@@ -59,10 +62,14 @@ def _make_forward(stabilize, precision_default: str = "fa2", backend: str = "aut
         if watcher is not None and getattr(module, "layer_idx", None) is not None:
             precision, switched, stats = watcher.attention_for(module.layer_idx)
             stabilize_here = switched or stabilize
-        offsets = _packed_offsets(kwargs.get("position_ids")) if keep is None and query.shape[2] > 1 else None
-        if offsets is not None and query.shape[2] == key.shape[2]:
+        # packed sequences: the offsets transformers' DataCollatorWithFlattening passes, else from position_ids
+        offsets, key_offsets = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if offsets is None and keep is None and query.shape[2] > 1:
+            offsets = _packed_offsets(kwargs.get("position_ids"), query.shape[0])
+        key_offsets = offsets if key_offsets is None else key_offsets
+        if offsets is not None and query.shape[0] == 1:
             out = flash_attn_varlen_func(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                         offsets, offsets, query.shape[2], key.shape[2], softmax_scale=scaling,
+                                         offsets, key_offsets, query.shape[2], key.shape[2], softmax_scale=scaling,
                                          causal=causal, precision=precision, stabilize=stabilize_here, stats=stats,
                                          backend=backend)
             return out[None], None

@@ -101,3 +101,24 @@ def test_neg_inf_keys_are_masked_and_fully_masked_rows_give_zero():
     assert torch.equal(out[0, 0, 2], torch.zeros(4, dtype=torch.float64))
     out.sum().backward()
     assert torch.isfinite(q2.grad[0, 0, [0, 1, 3]]).all()
+
+
+def test_statistics_stay_out_of_autograd_in_compiled_micro_batches():
+    """A maximum that carries a gradient (a compiled op's float output) must not make the running totals part of the
+    graph: a compiled step would then take them as an input needing a gradient, and the next micro-batch's backward
+    would run the previous one's graph a second time."""
+    stats = AttentionStats(2)
+    w = torch.randn(2, requires_grad=True)
+
+    def micro_batch(x):
+        score = x * w
+        stats.add(slice(None), rows=3, repeated_max_rows=torch.ones(2, dtype=torch.int64),
+                  pbar_ones=torch.ones(2, dtype=torch.int64), max_score=score)
+        return score.square().sum()
+
+    step = torch.compile(micro_batch, backend="aot_eager", fullgraph=True)
+    for i in range(3):
+        step(torch.full((2,), float(i + 1))).backward()
+    assert not stats.max_score.requires_grad
+    assert stats.max_score.tolist() == pytest.approx(torch.maximum(w, 3 * w).tolist())  # the largest of x * w
+    assert stats.rows.tolist() == [9, 9]

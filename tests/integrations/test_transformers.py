@@ -59,6 +59,19 @@ def test_packed_sequences_attend_within_each_sequence():
         one = alone(input_ids=ids[:, start:start + n]).logits[0]
         assert _rel(packed[start:start + n], one) < 1e-5
         start += n
+    # the offsets as transformers' DataCollatorWithFlattening hands them give the same
+    offsets = torch.tensor([0, 7, 12, 21], dtype=torch.int32)
+    given = _model("llama-gqa", "stableflash")(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=offsets,
+                                               cu_seq_lens_k=offsets, max_length_q=9, max_length_k=9).logits[0]
+    assert torch.equal(given, packed)
+
+
+def test_a_batch_of_several_rows_is_never_taken_for_packed():
+    """Models hand every batch a (1, T) `position_ids`: only a batch of one row is checked for packing."""
+    register()
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(5))
+    ours = _model("llama-gqa", "stableflash")(input_ids=ids).logits
+    assert _rel(ours, _model("llama-gqa", "sdpa")(input_ids=ids).logits) < 1e-5
 
 
 def test_a_training_step_under_bf16_autocast_stays_close_to_sdpa():
