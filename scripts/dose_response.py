@@ -39,6 +39,8 @@ ARMS = {
 FRACTION_BITS = {"e8m3": 3, "e8m4": 4, "paper": 7}
 DIVERGENCE = 1.0
 """A run diverges at the first step whose loss is non-finite or this much above its best so far."""
+SHORTEST_HOLD = 500
+"""A run that the budget stopped before this step, without diverging, counts as neither holding nor diverging."""
 
 
 def run(args) -> None:
@@ -132,14 +134,14 @@ def verdict(arms: dict[str, list[dict]]) -> dict:
         steps = sorted(r["first_divergence"] for r in arms.get(arm, []) if r["first_divergence"] is not None)
         return steps[len(steps) // 2] if steps else None
 
-    short = {arm: [r["steps"] for r in runs if r["first_divergence"] is None and r["steps"] < 1000]
+    short = {arm: [r["steps"] for r in runs if r["first_divergence"] is None and r["steps"] < SHORTEST_HOLD]
              for arm, runs in arms.items()}
     parts = {
         "e8m4 diverges in >= 2 of 3": sum(diverged("e8m4")) >= 2,
         "e8m3 diverges in >= 2 of 3": sum(diverged("e8m3")) >= 2,
         "e8m3 before e8m4": (median_step("e8m3") is not None and median_step("e8m4") is not None
                              and median_step("e8m3") < median_step("e8m4")),
-        **{f"{arm} holds in 3 of 3": len(diverged(arm)) == 3 and not any(diverged(arm))
+        **{f"{arm} holds in 3 of 3": len(diverged(arm)) == 3 and not any(diverged(arm)) and not short.get(arm)
            for arm in ("fp32", "e8m4-sr", "e8m4-sfa")},
     }
     return {"parts": parts, "training_parts_met": all(parts.values()),

@@ -130,3 +130,19 @@ def test_dose_response_points_the_diagnosis_at_the_first_divergence(tmp_path):
     delta, isolate = diagnosis_commands(tmp_path, arms)
     assert "e8m3-s0/checkpoint-previous.pt" in delta and "--layer 1" in delta and "isolate" in isolate
     assert diagnosis_commands(tmp_path, {"fp32": [{"run": "fp32-s0", "first_divergence": 5, "wq_growth": None}]}) == []
+
+
+def test_dose_response_verdict_counts_a_run_stopped_short_as_not_holding():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dose_response import SHORTEST_HOLD, verdict
+
+    def runs(*steps, diverged=None):
+        return [{"steps": s, "first_divergence": diverged} for s in steps]
+
+    arms = {"fp32": runs(SHORTEST_HOLD, SHORTEST_HOLD + 1, SHORTEST_HOLD - 1), "e8m4-sr": runs(900, 900, 900),
+            "e8m4": runs(700, 700, diverged=300), "e8m3": runs(400, 400, 400, diverged=200)}
+    result = verdict(arms)
+    assert result["parts"]["fp32 holds in 3 of 3"] is False  # one seed stopped before SHORTEST_HOLD
+    assert result["parts"]["e8m4-sr holds in 3 of 3"] is True
+    assert result["parts"]["e8m3 before e8m4"] is True and result["parts"]["e8m4 diverges in >= 2 of 3"] is True
+    assert result["runs_stopped_short_without_divergence"] == {"fp32": [SHORTEST_HOLD - 1]}
