@@ -14,6 +14,8 @@ from C on every launch. With a hook registered (a profiler) the launch goes thro
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -35,6 +37,22 @@ def _hooks_registered() -> bool:
     return False
 
 
+class BoundLaunch(NamedTuple):
+    """A compiled kernel with its grid and the values of its parameters after the runtime ones: launched again with
+    another call's runtime arguments (`launch.py`'s plans)."""
+    compiled: object
+    grid: tuple[int, int]
+    trailing: tuple
+
+    def __call__(self, args: tuple) -> None:
+        compiled, (x, y) = self.compiled, self.grid
+        if _hooks_registered():
+            compiled[(x, y, 1)](*args, *self.trailing)
+        else:
+            compiled.run(x, y, 1, _stream(_device()), compiled.function, compiled.packed_metadata, None, None, None,
+                         *args, *self.trailing)
+
+
 class CompiledLaunches:
     def __init__(self):
         self._cache: dict[tuple, tuple] = {}
@@ -45,26 +63,22 @@ class CompiledLaunches:
     def clear(self) -> None:
         self._cache.clear()
 
-    def launch(self, kernel, grid, args: tuple, meta: dict, config: triton.Config) -> None:
-        """Launch `kernel` on `grid(config.kwargs)` with runtime `args` (positional, in order) and compile-time `meta`."""
-        device = _device()
+    def launch(self, kernel, grid, args: tuple, meta: dict, config: triton.Config) -> BoundLaunch:
+        """Launch `kernel` on `grid(config.kwargs)` with runtime `args` (positional, in order) and compile-time `meta`;
+        returns the launch, bound to its compiled kernel, grid and trailing values."""
         # exact type tests: the arguments are tensors, ints and floats, and `isinstance` per argument costs more
-        key = (kernel, config, device, *meta.items(),
+        key = (kernel, config, _device(), *meta.items(),
                *[a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) for a in args if type(a) is not float])
         hit = self._cache.get(key)
         dims = grid(config.kwargs)
         if hit is None:
             compiled = kernel[dims](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                     num_stages=config.num_stages)
-            self._cache[key] = (compiled, trailing_values(kernel, len(args), meta, config))
-            return
-        compiled, trailing = hit
-        x, y = dims[0], dims[1] if len(dims) > 1 else 1
-        if _hooks_registered():
-            compiled[(x, y, 1)](*args, *trailing)
-        else:
-            compiled.run(x, y, 1, _stream(device), compiled.function, compiled.packed_metadata, None, None, None,
-                         *args, *trailing)
+            hit = self._cache[key] = (compiled, trailing_values(kernel, len(args), meta, config))
+            return BoundLaunch(compiled, (dims[0], dims[1] if len(dims) > 1 else 1), hit[1])
+        bound = BoundLaunch(hit[0], (dims[0], dims[1] if len(dims) > 1 else 1), hit[1])
+        bound(args)
+        return bound
 
 
 def trailing_values(kernel, num_args: int, meta: dict, config: triton.Config) -> tuple:

@@ -4,19 +4,21 @@
 With `traced=True` (inside a `triton_op` under torch.compile) each launch goes through `wrap_triton`, so that inductor
 sees the kernel and launches it from its own code; eagerly, the first launch of a specialisation goes through Triton
 and later ones through the compiled kernel (`compiled.py`). Both take the tile from `tuning.TILE_PICKS` where a pick
-is held, else autotune (eagerly: once, and record the pick).
+is held, else autotune (eagerly: once, and record the pick). An eager call whose signature was seen before skips the
+deciding: it launches the bound launches its `Plan` holds with its own arguments.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 from torch.library import wrap_triton
 
 from stableflash.attention.triton import emulation, options
-from stableflash.attention.triton.compiled import COMPILED
+from stableflash.attention.triton.compiled import COMPILED, BoundLaunch
 from stableflash.attention.triton.spec import INTERPRET, KernelSpec, spec_named
 from stableflash.attention.triton.tuning import (
     INTERPRETER_CONFIG,
@@ -38,15 +40,15 @@ except ImportError:
 
 # -- launching ---------------------------------------------------------------------------------------------------------
 
-def _run(kernel, grid, args, meta: dict, config: triton.Config, traced: bool) -> None:
+def _run(kernel, grid, args, meta: dict, config: triton.Config, traced: bool) -> BoundLaunch | None:
     """Launch `kernel` with a fixed tile: traced, through `wrap_triton`; eagerly on a GPU, through the compiled
-    kernel once Triton has compiled it (`compiled.py`)."""
+    kernel once Triton has compiled it (`compiled.py`), returning that launch bound to it."""
     if traced or INTERPRET:
         launcher = wrap_triton(kernel) if traced else kernel
         launcher[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                       num_stages=config.num_stages)
-    else:
-        COMPILED.launch(kernel, grid, args, meta, config)
+        return None
+    return COMPILED.launch(kernel, grid, args, meta, config)
 
 
 def pick_key(tunable: Tunable, T, dtype, meta: dict, either: bool):
@@ -56,23 +58,23 @@ def pick_key(tunable: Tunable, T, dtype, meta: dict, either: bool):
     return TILE_PICKS.key(tunable.kernel.__name__, "either" if either else "pointers", T, dtype, meta)
 
 
-def _run_tuned(tunable: Tunable, grid, args, meta: dict, *, T, dtype, either: bool, traced: bool) -> None:
-    """Launch a native kernel with its picked tile, or autotune it (over TMA loads too when `either`)."""
+def _run_tuned(tunable: Tunable, grid, args, meta: dict, *, T, dtype, either: bool, traced: bool) -> BoundLaunch | None:
+    """Launch a native kernel with its picked tile (returning the bound launch, as `_run`), or autotune it (over TMA
+    loads too when `either`)."""
     if INTERPRET:
-        _run(tunable.kernel, grid, args, {**meta, "TMA": False}, INTERPRETER_CONFIG, traced)
-        return
+        return _run(tunable.kernel, grid, args, {**meta, "TMA": False}, INTERPRETER_CONFIG, traced)
     key = pick_key(tunable, T, dtype, meta, either)
     picked = TILE_PICKS.get(key) if key is not None else None
     if picked is not None:
-        _run(tunable.kernel, grid, args, meta, picked, traced)
-        return
+        return _run(tunable.kernel, grid, args, meta, picked, traced)
     tuner = tunable.either if either else tunable.pointers
     if traced:
         wrap_triton(tuner)[grid](*args, **meta)
-        return
+        return None
     tuner[grid](*args, **meta)
     if key is not None:
         TILE_PICKS.record(key, tuner.best_config)
+    return None
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -85,6 +87,59 @@ def _allow_device_descriptors() -> None:
     (autograd runs the backward on a thread of its own). Set wherever TMA may run, traced too: a traced op also
     runs eagerly (e.g. under `torch.library.opcheck`)."""
     triton.set_allocator(_scratch)
+
+
+# -- plans ------------------------------------------------------------------------------------------------------------
+
+class Plan(NamedTuple):
+    """What an eager call decided: its branch (which kernels, which arguments) and its launches bound to compiled
+    kernels, in order; `scratch` where one makes TMA descriptors (Triton's allocator must be set on the thread)."""
+    branch: str
+    launches: tuple[BoundLaunch, ...]
+    scratch: bool
+
+
+class Plans:
+    """Eager calls' decisions by signature. At (16, 12, 1024, 64) a forward+backward is ~0.39 ms of GPU work, and
+    deciding it afresh (the spec's kernels, the Gluon and TMA choices, the tile pick, the compiled kernel's lookup)
+    cost more host time than that (results/kernel-library/). The signature holds everything the decision reads: the
+    spec, causal, statistics, the options, the tile picks' version, and every caller-given tensor's shape, strides,
+    dtype, device and 16-byte alignment (the outputs are allocated from these). A call whose decision made no bound
+    launch (an autotuning or first compiling call) leaves no plan: the next one decides again."""
+
+    MAX_PLANS = 1024  # a run with ever new shapes would otherwise keep one per shape
+
+    def __init__(self):
+        self._plans: dict[tuple, Plan] = {}
+
+    def key(self, static: tuple, tensors: tuple) -> tuple:
+        return (static, options.current(), TILE_PICKS.version,
+                *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors])
+
+    def get(self, key: tuple) -> Plan | None:
+        return self._plans.get(key)
+
+    def keep(self, key: tuple, branch: str, launches: list, scratch: bool) -> None:
+        if all(launch is not None for launch in launches):
+            if len(self._plans) >= self.MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = Plan(branch, tuple(launches), scratch)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+PLANS = Plans()
+
+
+def _launch_planned(plan: Plan, launch_args: tuple) -> None:
+    if plan.scratch:
+        _allow_device_descriptors()
+    for launch, args in zip(plan.launches, launch_args, strict=True):
+        launch(args)
 
 
 # -- memory -----------------------------------------------------------------------------------------------------------
@@ -167,6 +222,14 @@ def _hopper_constants(name: str, head_dim: int, dtype: torch.dtype, causal: bool
 
 # -- forward and backward ---------------------------------------------------------------------------------------------
 
+def _forward_branch(spec: KernelSpec, q, k, v, stats: bool, traced: bool):
+    """Which forward runs: ("emulation", None), ("hopper", its tile) or ("native", None)."""
+    if not spec.native:
+        return "emulation", None
+    tile = None if traced else hopper_forward_tile(spec, q, k, v, stats)  # traced: `ops` runs it as an opaque op
+    return ("hopper", tile) if tile is not None else ("native", None)
+
+
 def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_eps: float, stat_targets=None,
             traced: bool = False):
     """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,3) int64, max (H,) fp32).
@@ -189,32 +252,44 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     eps = spec.eps if spec.stab == 1 else stats_eps * spec.units
     G = H // k.shape[1]  # query heads per key/value head (grouped-query attention)
     tensors = (q, k, v, out, lse, counts, smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
-    args = (*tensors, H, G, T, scale * spec.units, eps)
-    launch = dict(HEAD_DIM=D, CAUSAL=causal, STATS=stats)
-
-    if not spec.native:
+    key = None if traced or INTERPRET else PLANS.key(("forward", name, causal, stats), (q, k, v, counts, smax))
+    plan = PLANS.get(key) if key is not None else None
+    branch, tile = (plan.branch, None) if plan is not None else _forward_branch(spec, q, k, v, stats, traced)
+    if branch == "emulation":
         seed = draw_seed() if spec.stochastic else 0  # where the reference draws it: the same bits
-        args = (*args[:4], o_saved if spec.save_fp32_o else out, *args[4:], spec.logical_n, seed)
-        _run(emulation.attn_fwd, lambda m: (_ceil_div(T, m["BLOCK_M"]), B * H), args,
-             {**spec.forward_constants, **launch}, emulation_config(spec.ops_fp32, D), traced)
+        args = (*tensors[:4], o_saved if spec.save_fp32_o else out, *tensors[4:], H, G, T, scale * spec.units, eps,
+                spec.logical_n, seed)
+    elif branch == "hopper":
+        args = (*tensors, H, T, scale * spec.units, eps)
+    else:
+        args = (*tensors, H, G, T, scale * spec.units, eps)
+    if plan is not None:
+        _launch_planned(plan, (args,))
         return out, o_saved, lse, counts, smax
-    tile = None if traced else hopper_forward_tile(spec, q, k, v, stats)  # traced: `ops` runs it as an opaque op
-    if tile is not None:
+
+    launch = dict(HEAD_DIM=D, CAUSAL=causal, STATS=stats)
+    if branch == "emulation":
+        scratch = False
+        bound = _run(emulation.attn_fwd, lambda m: (_ceil_div(T, m["BLOCK_M"]), B * H), args,
+                     {**spec.forward_constants, **launch}, emulation_config(spec.ops_fp32, D), traced)
+    elif branch == "hopper":
+        scratch = True
         _allow_device_descriptors()
         constants, config = _hopper_constants(name, D, q.dtype, causal, tile, stats)
-        _run(hopper.attn_fwd, lambda _: hopper.grid(B * H, T, tile), (*tensors, H, T, scale * spec.units, eps),
-             constants, config, traced)
-        return out, o_saved, lse, counts, smax
-    meta = {**spec.forward_constants, **launch}
-    either = _tma_candidates(spec, D, k, v)
-    if either:
-        _allow_device_descriptors()
+        bound = _run(hopper.attn_fwd, lambda _: hopper.grid(B * H, T, tile), args, constants, config, traced)
+    else:
+        meta = {**spec.forward_constants, **launch}
+        scratch = _tma_candidates(spec, D, k, v)
+        if scratch:
+            _allow_device_descriptors()
 
-    def grid(m):  # (heads, query tiles) for SFA's native kernel (see `KernelSpec.forward_constants`)
-        tiles = _ceil_div(T, m["BLOCK_M"])
-        return (B * H, tiles) if meta["HEADS_FIRST"] else (tiles, B * H)
+        def grid(m):  # (heads, query tiles) for SFA's native kernel (see `KernelSpec.forward_constants`)
+            tiles = _ceil_div(T, m["BLOCK_M"])
+            return (B * H, tiles) if meta["HEADS_FIRST"] else (tiles, B * H)
 
-    _run_tuned(NATIVE_FWD, grid, args, meta, T=T, dtype=q.dtype, either=either, traced=traced)
+        bound = _run_tuned(NATIVE_FWD, grid, args, meta, T=T, dtype=q.dtype, either=scratch, traced=traced)
+    if key is not None:
+        PLANS.keep(key, branch, [bound], scratch)
     return out, o_saved, lse, counts, smax
 
 
@@ -237,29 +312,42 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, G, T,
                scale * spec.units, scale)
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, G, T, scale * spec.units, scale)
-    launch = dict(HEAD_DIM=D, CAUSAL=causal)
-
-    def rows(m):
-        return _ceil_div(T, m["BLOCK_M"]), B * H
-
-    def cols(m):
-        return _ceil_div(T, m["BLOCK_N"]), B * H
-
     if spec.native:
-        either = _tma_candidates(spec, D, q, k, v, dout)
-        if either:
-            _allow_device_descriptors()
-        _run_tuned(NATIVE_DQ, rows, dq_args, launch, T=T, dtype=q.dtype, either=either, traced=traced)
-        _run_tuned(NATIVE_DKDV, cols, dkdv_args, launch, T=T, dtype=q.dtype, either=either, traced=traced)
+        launch_args = (dq_args, dkdv_args)
     else:
-        config = emulation_config(spec.ops_fp32, D)
-        if spec.delta_constants is not None:
-            _run(emulation.attn_bwd_delta_dpp, rows,
-                 (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n),
-                 {**spec.delta_constants, **launch}, config, traced)
-        _run(emulation.attn_bwd_dq, rows, (*dq_args, spec.logical_n), {**spec.dq_constants, **launch}, config, traced)
-        _run(emulation.attn_bwd_dkdv, cols, (*dkdv_args, spec.logical_m), {**spec.dkdv_constants, **launch}, config,
-             traced)
+        delta_pass = () if spec.delta_constants is None else (
+            (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n),)
+        launch_args = (*delta_pass, (*dq_args, spec.logical_n), (*dkdv_args, spec.logical_m))
+    key = None if traced or INTERPRET else PLANS.key(("backward", name, causal), (dout, q, k, v, o_saved, lse))
+    plan = PLANS.get(key) if key is not None else None
+    if plan is not None:
+        _launch_planned(plan, launch_args)
+    else:
+        launch = dict(HEAD_DIM=D, CAUSAL=causal)
+
+        def rows(m):
+            return _ceil_div(T, m["BLOCK_M"]), B * H
+
+        def cols(m):
+            return _ceil_div(T, m["BLOCK_N"]), B * H
+
+        if spec.native:
+            scratch = _tma_candidates(spec, D, q, k, v, dout)
+            if scratch:
+                _allow_device_descriptors()
+            bound = [_run_tuned(tunable, grid, args, launch, T=T, dtype=q.dtype, either=scratch, traced=traced)
+                     for tunable, grid, args in ((NATIVE_DQ, rows, dq_args), (NATIVE_DKDV, cols, dkdv_args))]
+        else:
+            scratch = False
+            config = emulation_config(spec.ops_fp32, D)
+            kernels = [(emulation.attn_bwd_dq, rows, spec.dq_constants),
+                       (emulation.attn_bwd_dkdv, cols, spec.dkdv_constants)]
+            if spec.delta_constants is not None:
+                kernels.insert(0, (emulation.attn_bwd_delta_dpp, rows, spec.delta_constants))
+            bound = [_run(kernel, grid, args, {**constants, **launch}, config, traced)
+                     for (kernel, grid, constants), args in zip(kernels, launch_args, strict=True)]
+        if key is not None:
+            PLANS.keep(key, "native" if spec.native else "emulation", bound, scratch)
     if G > 1:
         dk, dv = (torch.sum(t.unflatten(1, (H // G, G)), dim=2, out=empty_in_layout_of(k, t.dtype)) for t in (dk, dv))
     return dq, dk, dv

@@ -1,0 +1,105 @@
+"""Eager launch plans (`triton/launch.py`): a call with a signature seen before launches what the deciding call
+launched, with its own arguments, and decides nothing. Stand-in kernels on the CPU: no GPU needed."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from stableflash.attention.precision import resolve  # noqa: E402
+from stableflash.attention.triton import compiled, launch  # noqa: E402
+from stableflash.attention.triton.spec import spec_name  # noqa: E402
+from stableflash.attention.triton.tuning import TILE_PICKS, Tunable  # noqa: E402
+
+
+class StandInKernel:
+    """A JIT function's name and parameters; `kernel[grid](...)` records the compiling launch and returns a compiled
+    kernel whose launcher records the later ones."""
+
+    def __init__(self, real, log):
+        self.__name__, self.arg_names, self.params, self.log = real.__name__, real.arg_names, real.params, log
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append((self.__name__, tuple(grid) + (1,) * (2 - len(grid)), args))
+            return SimpleNamespace(run=self._launcher, function=None, packed_metadata=None)
+        return run
+
+    def _launcher(self, x, y, z, stream, function, packed, metadata, enter, exit_, *values):
+        assert len(values) == len(self.arg_names)  # every parameter's value, in order
+        self.log.append((self.__name__, (x, y), values))
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    log = []
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(launch, "hopper", None)
+    monkeypatch.setattr(compiled, "_device", lambda: 0)
+    monkeypatch.setattr(compiled, "_stream", lambda device: 0)
+    monkeypatch.setattr(launch, "COMPILED", compiled.CompiledLaunches())
+    monkeypatch.setattr(launch, "PLANS", launch.Plans())
+    tile = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "TMA": False}, num_warps=4, num_stages=2)
+    monkeypatch.setattr(TILE_PICKS, "get", lambda key: tile)  # a pick for every launch: no autotuning
+    for name in ("NATIVE_FWD", "NATIVE_DQ", "NATIVE_DKDV"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, Tunable(StandInKernel(real.kernel, log), None, None))
+    for name in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv", "attn_bwd_delta_dpp"):
+        monkeypatch.setattr(launch.emulation, name, StandInKernel(getattr(launch.emulation, name), log))
+    return log
+
+
+def _inputs(seed):
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(2, 3, 77, 64, generator=generator, dtype=torch.bfloat16) for _ in range(4))
+    return q, k, v, dout
+
+
+def _call(name, stats, seed):
+    q, k, v, dout = _inputs(seed)
+    out, o_saved, lse, _, _ = launch.forward(q, k, v, True, 0.125, name, stats, 1e-3)
+    launch.backward(dout, q, k, v, o_saved if o_saved.numel() else out, lse, True, 0.125, name)
+    return q, out
+
+
+def _shape_of(args):
+    return tuple(("tensor", a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.parametrize("stats", [False, True])
+@pytest.mark.parametrize("preset", ["fa2", "paper"])
+def test_a_planned_call_launches_what_its_deciding_call_launched(stand_ins, preset, stats, monkeypatch):
+    name = spec_name(resolve(preset), None, torch.bfloat16, 64, 77)
+    _call(name, stats, 0)  # decides, compiles through `kernel[grid](...)`
+    decided = list(stand_ins)
+    assert len(launch.PLANS) == 2  # the forward's and the backward's
+    stand_ins.clear()
+
+    def no_deciding(*args, **kwargs):
+        raise AssertionError("a planned call decided again")
+
+    monkeypatch.setattr(launch, "_forward_branch", no_deciding)
+    monkeypatch.setattr(launch, "_run", no_deciding)
+    for seed in (1, 2):
+        q, out = _call(name, stats, seed)
+        assert [(kernel, grid) for kernel, grid, _ in stand_ins] == [(kernel, grid) for kernel, grid, _ in decided]
+        for (_, _, now), (_, _, then) in zip(stand_ins, decided, strict=True):
+            # runtime arguments like the deciding call's, then compile-time values only
+            assert _shape_of(now[:len(then)]) == _shape_of(then)
+            assert not any(isinstance(a, torch.Tensor) for a in now[len(then):])
+        assert stand_ins[0][2][0] is q and stand_ins[0][2][3] is out
+        stand_ins.clear()
+
+
+def test_changed_tile_picks_or_another_signature_decide_again(stand_ins):
+    name = spec_name(resolve("fa2"), None, torch.bfloat16, 64, 77)
+    _call(name, False, 0)
+    assert len(launch.PLANS) == 2
+    TILE_PICKS.version += 1  # as a recorded or loaded pick does
+    _call(name, False, 0)
+    assert len(launch.PLANS) == 4
+    q, k, v, _ = _inputs(0)
+    launch.forward(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True, 0.125, name, False, 1e-3)  # strides
+    assert len(launch.PLANS) == 5
