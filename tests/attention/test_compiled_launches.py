@@ -18,9 +18,10 @@ class StandInKernel:
     """A JIT function's parameters, and a `kernel[grid](...)` that records the call and returns a compiled kernel
     whose own `compiled[grid](*values)` records the launch."""
 
-    def __init__(self, names, defaults):
+    def __init__(self, names, defaults, unspecialised=()):
         self.arg_names = list(names)
-        self.params = [SimpleNamespace(name=n, has_default=n in defaults, default=defaults.get(n)) for n in names]
+        self.params = [SimpleNamespace(num=i, name=n, has_default=n in defaults, default=defaults.get(n),
+                                       do_not_specialize=n in unspecialised) for i, n in enumerate(names)]
         self.calls, self.launches = [], []
 
     def __getitem__(self, grid):
@@ -111,3 +112,14 @@ def test_a_registered_launch_hook_gets_the_launch(launches):
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     assert not compiled._hooks_registered()
     assert kernel.launches == [("hooked", (5, 1, 1), (x, 100, 0.5, 16, 64, True, 7))]
+
+
+def test_an_int_triton_does_not_specialise_on_keeps_one_entry(launches):
+    """A stochastic rounding seed changes every call (`do_not_specialize`): one compiled kernel for every value."""
+    kernel = StandInKernel(["X", "T", "seed", "HEAD_DIM", "BLOCK_M"], {}, unspecialised=("seed",))
+    config = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)
+    x = torch.zeros(64)
+    for seed in (1, 16, 12345):
+        launches.launch(kernel, lambda tile: (1,), (x, 100, seed), {"HEAD_DIM": 16}, config)
+    assert len(launches) == 1 and len(kernel.calls) == 1
+    assert [values[2] for _, values in kernel.launches] == [16, 12345]

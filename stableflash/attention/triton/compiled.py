@@ -5,7 +5,8 @@ forward+backward at (16, 12, 1024, 64), three launches, spent ~0.9 ms of host ti
 (results/kernel-library/). Here the first launch of each specialisation goes through Triton, which compiles it and
 returns the compiled kernel; later launches call that kernel's launcher with the value of every parameter in order,
 as `JITFunction.run` passes them. The key holds what Triton specialises on: the kernel, its compile-time arguments
-and tile, the device, integer arguments (exactly), and tensors by dtype and 16-byte alignment.
+and tile, the device, integer arguments (exactly, but for those marked `do_not_specialize`), and tensors by dtype
+and 16-byte alignment.
 
 Where no profiler hook is registered the launcher is called directly, without launch metadata: Triton 3.6 keeps its
 launch hooks as chains that are never None, so `compiled[grid](...)` builds a metadata dict and calls two empty chains
@@ -56,6 +57,7 @@ class BoundLaunch(NamedTuple):
 class CompiledLaunches:
     def __init__(self):
         self._cache: dict[tuple, tuple] = {}
+        self._unspecialised: dict[object, frozenset[int]] = {}  # per kernel: positions Triton does not specialise
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -66,9 +68,13 @@ class CompiledLaunches:
     def launch(self, kernel, grid, args: tuple, meta: dict, config: triton.Config) -> BoundLaunch:
         """Launch `kernel` on `grid(config.kwargs)` with runtime `args` (positional, in order) and compile-time `meta`;
         returns the launch, bound to its compiled kernel, grid and trailing values."""
+        free = self._unspecialised.get(kernel)
+        if free is None:
+            free = self._unspecialised[kernel] = frozenset(p.num for p in kernel.params if p.do_not_specialize)
         # exact type tests: the arguments are tensors, ints and floats, and `isinstance` per argument costs more
         key = (kernel, config, _device(), *meta.items(),
-               *[a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) for a in args if type(a) is not float])
+               *[None if type(a) is float or i in free else a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0)
+                 for i, a in enumerate(args)])
         hit = self._cache.get(key)
         dims = grid(config.kwargs)
         if hit is None:

@@ -113,7 +113,7 @@ def _round_at(x, CODE: tl.constexpr, seed, SITE: tl.constexpr, bh, row, col, til
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def round_vector(X, Y, N, seed, CODE: tl.constexpr, SITE: tl.constexpr, BLOCK: tl.constexpr):
     """Y = X rounded elementwise over N fp32 values as a site rounds them, element i at row i of head 0: the kernels'
     rounding alone, for the tests to check against `numerics.round_to`."""
@@ -166,7 +166,9 @@ def _near_max(s, rm, eps):
 
 # -- forward ---------------------------------------------------------------------------------------------------------
 
-@triton.jit
+# the seed changes every call: one compiled kernel for all of them (Triton would specialise an int on its value's
+# divisibility by 16 and on being 1, and a launch decided for one seed is made again with the next)
+@triton.jit(do_not_specialize=["seed"])
 def attn_fwd(
     Q, K, V, O, OS, LSE, STAT_COUNTS, STAT_MAX,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
