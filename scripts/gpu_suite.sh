@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores).
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|agreement|cost|narrow]...   (default: tests bench)
+#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|agreement|cost|narrow|gqa|masked|hf]...   (default: tests bench)
 # train: the compiled training step's throughput, sdpa against our kernels, six interleaved rounds
 # profile: a profile of the compiled training step
 # agreement: how often the emulated presets give the reference's bits (scripts/emulation_agreement.py)
 # cost: SFA's and the statistics' cost and SFA vs FA2 over 7 interleaved rounds, from a graph (and eager at T = 1024)
 # narrow: the dose-response study's numerics (e8m4 nearest, toward zero, stochastic) as a ratio to the `paper` kernel
+# gqa: GQA against MHA at the same FLOPs; masked: windows and padding against FlexAttention and SDPA;
+# hf: a transformers Llama's compiled training step, sdpa against ours
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
@@ -36,6 +38,13 @@ for part in $parts; do
     narrow) python3 benchmarks/attention.py --modes fwdbwd_graph --out "$out/attention-narrow-h200.json" \
               --impls stableflash-paper,stableflash-pv-e8m4,stableflash-pv-e8m4-tz,stableflash-pv-e8m4-sr 2>&1 \
               | grep -v Warning | tee "$out/attention-narrow.log" ;;
+    gqa) python3 benchmarks/attention.py --modes fwdbwd,fwdbwd_graph --out "$out/attention-gqa-h200.json" \
+           --impls stableflash,stableflash-gqa,stableflash-sfa,stableflash-sfa-gqa 2>&1 | grep -v Warning \
+           | tee "$out/attention-gqa.log" ;;
+    masked) python3 benchmarks/masked_attention.py --out "$out/masked-attention.json" 2>&1 | grep -v Warning \
+              | tee "$out/masked-attention.log" ;;
+    hf) python3 benchmarks/transformers_step.py --out "$out/transformers-step.json" 2>&1 | grep -v Warning \
+          | tee "$out/transformers-step.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -134,8 +134,9 @@ def flash_attention(
         "sdpa": the inputs' dtype). Differentiable with respect to q, k, v.
         Rows that see no key give O = 0 and zero gradients.
 
-    GQA runs in the fused kernels too (k and v are read per group, not repeated); Tk != Tq, windows and key padding
-    run on the reference, math and sdpa backends: "auto" takes the reference for them, and "triton" refuses them.
+    GQA runs in the fused kernels too (k and v are read per group, not repeated); so do Tk != Tq, windows and key
+    padding under production FA2 numerics ("fa2", with or without a stabilizer); under other policies they run on
+    the reference ("auto" takes it, "triton" refuses them).
     """
     if layout not in ("bhtd", "bthd"):
         raise ValueError(f"layout: expected 'bhtd' (B, H, T, D) or 'bthd' (B, T, H, D), got {layout!r}")
@@ -168,21 +169,24 @@ def flash_attention(
     masked = (k.shape[-2] != q.shape[-2] or key_padding_mask is not None
               or (window is not None and tuple(window) != (-1, -1)))
     grouped = k.shape[1] != q.shape[1]
-    # the fused kernels take grouped-query attention as such (no repeated k and v), one policy for every head
-    kernels_take = not masked and not (grouped and policy.head_override is not None)
-    # only masked calls build a mask description: the others, the fused kernels' eager calls among them, keep
-    # their host path as it was
-    vis = Visibility(q.shape[-2], k.shape[-2], causal=causal, window=tuple(window or (-1, -1)),
-                     key_padding=key_padding_mask) if masked else None
+    # the fused kernels take grouped-query attention as such (no repeated k and v), one policy for every head; masks
+    # (Tk != Tq, windows, key padding) in their native form, under production FA2 numerics
+    kernels_take = not (grouped and policy.head_override is not None) and (
+        not masked or (q.is_cuda and _HAS_TRITON and _triton_masks(policy.key, stabilizers.key_of(stabilize), q.dtype,
+                                                                   q.shape[-1])))
     if backend == "auto":
         backend = "reference"
         if kernels_take and triton_available(q) and _triton_supports(policy.key, stabilizers.key_of(stabilize), q.dtype):
             backend = "triton"
-    if backend == "triton" and not kernels_take:
-        raise ValueError("backend: 'triton' has no Tk != Tq, window or key padding yet, nor GQA with a per-head "
-                         "policy; use backend='reference' or 'auto' (which takes the reference for them)")
+    if backend == "triton" and not kernels_take and q.is_cuda:
+        raise ValueError("backend: 'triton' runs Tk != Tq, windows and key padding only under production FA2 "
+                         "numerics (precision 'fa2', no per-head override), and GQA only without a per-head policy; "
+                         "use backend='reference' or 'auto' (which takes the reference for them)")
     if grouped and backend != "triton":
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    # the backends other than the kernels take a masked call's mask as a description (the kernels: `band_of`)
+    vis = Visibility(q.shape[-2], k.shape[-2], causal=causal, window=tuple(window or (-1, -1)),
+                     key_padding=key_padding_mask) if masked and backend != "triton" else None
     if backend in ("math", "sdpa"):
         if stabilize is not None:
             raise ValueError(f"stabilize: backend {backend!r} computes plain softmax; use backend='reference' or 'triton'")
@@ -203,8 +207,8 @@ def flash_attention(
             raise ValueError("backend: 'triton' needs CUDA tensors and the triton package; "
                              "use backend='reference' or 'auto'")
         from stableflash.attention import triton as triton_backend
-        return triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy,
-                                        stabilize=stabilize, stats=stats)
+        return triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy, stabilize=stabilize,
+                                        stats=stats, window=tuple(window or (-1, -1)), key_padding=key_padding_mask)
     return reference_attention(q, k, v, scale=scale, causal=vis or causal, policy=policy,
                                stabilize=stabilize, stats=stats)
 
@@ -213,6 +217,19 @@ def flash_attention(
 def _triton_supports(policy_key: str, stabilize_key: str | None, dtype: torch.dtype) -> bool:
     """Under torch.compile evaluated once, at trace time (by the keys: dynamo cannot pass dataclass instances)."""
     return _supports_by_key(policy_key, stabilize_key, dtype)
+
+
+@torch.compiler.assume_constant_result
+def _triton_masks(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels take masked calls under this policy (`triton.supports_masks`), by the keys."""
+    return _masks_by_key(policy_key, stabilize_key, dtype, head_dim)
+
+
+@functools.lru_cache(maxsize=1024)
+def _masks_by_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int) -> bool:
+    from stableflash.attention import triton as triton_backend
+    return triton_backend.supports_masks(Precision.from_key(policy_key), stabilizers.from_key(stabilize_key), dtype,
+                                         head_dim)
 
 
 @functools.lru_cache(maxsize=1024)  # asked on every `backend="auto"` call on CUDA

@@ -55,7 +55,9 @@ def _make_forward(stabilize, precision_default: str = "fa2", backend: str = "aut
                 raise ValueError(f"attention_mask: expected the (B, Tk) padding mask of flash-attn style "
                                  f"implementations, got shape {tuple(attention_mask.shape)}")
             keep = attention_mask.bool()
-            if keep.all():
+            # eagerly, a mask with no padding is dropped (the plain kernels are faster); compiled, reading it would
+            # break the graph, and the masked form gives the same result
+            if not torch.compiler.is_compiling() and keep.all():
                 keep = None
         precision, stabilize_here, stats = precision_default, stabilize, None
         watcher = active_watch()

@@ -114,8 +114,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the
 @gpu
 @pytest.mark.parametrize("impl", ["stableflash", "stableflash_sfa"])
 def test_llama_in_the_kernels_matches_sdpa_on_the_gpu(impl, monkeypatch):
-    """GQA (4 query heads, 2 key/value heads) through the fused kernels, in bf16: logits and gradients within bf16's
-    tolerance of `sdpa`'s."""
+    """GQA (4 query heads, 2 key/value heads) and a padded row through the fused kernels, in bf16: logits and
+    gradients within bf16's tolerance of `sdpa`'s."""
     from stableflash.attention.triton import launch
 
     register()
@@ -125,12 +125,16 @@ def test_llama_in_the_kernels_matches_sdpa_on_the_gpu(impl, monkeypatch):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")
     ids = torch.randint(0, 512, (3, 201), generator=torch.Generator().manual_seed(seed)).cuda()
+    mask = torch.ones(3, 201, dtype=torch.long, device="cuda")
+    mask[1, 150:] = 0  # right padding: the kernels' key-padding form
+    real = mask.bool()
     results = {}
     for which in ("sdpa", impl):
         model = _gpu_llama(which)
-        logits = model(input_ids=ids).logits
-        logits.float().square().mean().backward()
-        results[which] = logits.detach().float(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits[real].float().square().mean().backward()
+        results[which] = (logits.detach()[real].float(),
+                          torch.cat([p.grad.float().flatten() for p in model.parameters()]))
     assert launched and all(shape[1] == 2 for shape in launched), f"the kernels did not take k, v of 2 heads: {launched}"
     assert _rel(results[impl][0], results["sdpa"][0]) < 2e-2, f"seed {seed}"
     assert _rel(results[impl][1], results["sdpa"][1]) < 5e-2, f"seed {seed}"

@@ -23,7 +23,7 @@ from stableflash.attention.stats import AttentionStats
 from stableflash.attention.triton.options import KernelOptions, kernel_options, set_kernel_options
 from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, spec_name, unsupported_reason
 
-__all__ = ["attention", "supports", "supports_policy", "pick_tiles", "tile_picks_state_dict", "load_tile_picks",
+__all__ = ["attention", "supports", "supports_policy", "supports_masks", "pick_tiles", "tile_picks_state_dict", "load_tile_picks",
            "HEAD_DIMS", "KernelOptions", "kernel_options", "set_kernel_options"]
 
 
@@ -35,6 +35,15 @@ def supports(q: torch.Tensor) -> bool:
 def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the kernels run `policy` (and, with a head override, the other heads' policy) with `stabilize`."""
     return unsupported_reason(policy, stabilize, dtype) is None
+
+
+def supports_masks(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels run Tk != Tq, windows and key padding under `policy`: its production FA2 numerics (the
+    native kernels) with no per-head override."""
+    from stableflash.attention.triton.spec import spec_named
+
+    return (policy.head_override is None and supports_policy(policy, stabilize, dtype)
+            and spec_named(spec_name(policy, stabilize, dtype, head_dim, 1)).native)
 
 
 def tile_picks_state_dict() -> list[dict]:
@@ -82,13 +91,23 @@ def check(q: torch.Tensor, policy: Precision, stabilize) -> None:
 
 
 def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabilize=None,
-              stats: AttentionStats | None = None) -> torch.Tensor:
-    """Fused attention; a per-head policy override runs each group of heads through its own kernel."""
+              stats: AttentionStats | None = None, window: tuple[int, int] = (-1, -1),
+              key_padding: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused attention; a per-head policy override runs each group of heads through its own kernel. Tk != Tq, a
+    window and key padding (`supports_masks`) run the native kernels' masked form."""
+    from stableflash.attention.triton import launch
+
+    band = launch.band_of(q, k, causal, window, key_padding)
+    # checked eagerly; compiled calls come through `flash_attention`, which checks by the policy's key
+    if band is not None and not torch.compiler.is_compiling() and not supports_masks(policy, stabilize, q.dtype,
+                                                                                      q.shape[-1]):
+        raise ValueError("backend: 'triton' runs Tk != Tq, windows and key padding only under production FA2 "
+                         "numerics (precision 'fa2', no per-head override); use backend='reference' or 'auto'")
     return split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
-        q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads))
+        q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads, band=band))
 
 
-def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
+def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band):
     from stableflash.attention.triton import launch, ops
 
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
@@ -98,16 +117,16 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads):
     name = spec_name(policy, stabilize, q.dtype, D, T)
     args = (q, k, v, causal, float(scale), name, stats is not None, float(stats.eps) if stats is not None else 0.0)
     if torch.compiler.is_compiling():  # functional ops: the counts come back, added to `stats` below
-        out, _, _, counts, smax = ops.compiled_forward_op()(*args)
+        out, _, _, counts, smax = ops.compiled_forward_op()(*args, *ops.band_fields(band))
     elif stats is None:
-        return ops.FlashAttention.apply(*args, None)
+        return ops.FlashAttention.apply(*args, None, band)
     else:
         # the kernel adds to the running totals in place where the heads are a run of them, else to fresh zeros
         targets = stats.kernel_targets(heads, q.device)
         if targets is not None:
-            return ops.FlashAttention.apply(*args, targets)
+            return ops.FlashAttention.apply(*args, targets, band)
         counts, smax = launch.fresh_stat_targets(H, q.device)
-        out = ops.FlashAttention.apply(*args, (counts, smax))
+        out = ops.FlashAttention.apply(*args, (counts, smax), band)
     if stats is not None:
         stats.add(heads, rows=counts[:, 2], repeated_max_rows=counts[:, 0], pbar_ones=counts[:, 1], max_score=smax)
     return out

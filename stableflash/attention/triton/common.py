@@ -102,6 +102,53 @@ def store_rows(ptr, x, offs, stride_t, T, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def real_keys(KEEP_ROW, offs_n, TK, PAD: tl.constexpr):
+    """Which keys `offs_n` are real: the key-padding row (bytes, nonzero = a real key) under PAD, else all."""
+    if PAD:
+        keep = tl.load(KEEP_ROW + offs_n, mask=offs_n < TK, other=0) != 0
+    else:
+        keep = offs_n >= 0
+    return keep
+
+
+@triton.jit
+def band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep):
+    """(queries, keys) pairs a masked call shows: query i of T and key j of TK at distance d = j - (i + TK - T),
+    inside both lengths, with -LEFT <= d <= RIGHT (-1: unbounded; causal is RIGHT = 0), the key real (`keep`)."""
+    d = offs_n[None, :] - (offs_m[:, None] + (TK - T))
+    band = ((LEFT < 0) | (d >= -LEFT)) & ((RIGHT < 0) | (d <= RIGHT))
+    return band & (offs_m[:, None] < T) & (offs_n[None, :] < TK) & keep[None, :]
+
+
+@triton.jit
+def band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, keep):
+    """`band_visible` as (keys, queries), the dK/dV kernel's orientation."""
+    d = offs_n[:, None] - (offs_m[None, :] + (TK - T))
+    band = ((LEFT < 0) | (d >= -LEFT)) & ((RIGHT < 0) | (d <= RIGHT))
+    return band & (offs_m[None, :] < T) & (offs_n[:, None] < TK) & keep[:, None]
+
+
+@triton.jit
+def band_keys(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T, TK, LEFT, RIGHT):
+    """The key range [lo, hi) a query tile's band can see, lo on a key tile's start."""
+    offset = TK - T
+    last = tl.minimum(start_m + BLOCK_M, T) - 1
+    lo = tl.where(LEFT >= 0, tl.maximum(start_m + offset - LEFT, 0), 0)
+    hi = tl.where(RIGHT >= 0, tl.minimum(last + offset + RIGHT + 1, TK), TK)
+    return (lo // BLOCK_N) * BLOCK_N, hi
+
+
+@triton.jit
+def band_queries(start_n, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, T, TK, LEFT, RIGHT):
+    """The query range [lo, hi) whose band sees some key of a key tile, lo on a query tile's start."""
+    offset = TK - T
+    last = tl.minimum(start_n + BLOCK_N, TK) - 1
+    lo = tl.where(RIGHT >= 0, tl.maximum(start_n - offset - RIGHT, 0), 0)
+    hi = tl.where(LEFT >= 0, tl.minimum(last - offset + LEFT + 1, T), T)
+    return (lo // BLOCK_M) * BLOCK_M, hi
+
+
+@triton.jit
 def visible(offs_m, offs_n, T, CAUSAL: tl.constexpr):
     """(queries, keys) pairs inside the sequence, and at or below the diagonal when causal: the backward's mask."""
     valid = (offs_m[:, None] < T) & (offs_n[None, :] < T)

@@ -173,6 +173,47 @@ def fresh_stat_targets(num_heads: int, device) -> tuple[torch.Tensor, torch.Tens
             torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device))
 
 
+class Band(NamedTuple):
+    """A masked call's visibility as the native kernels take it (`native.py`, `MASK`): the band's bounds on the
+    distance d = j - (i + Tk - Tq) (-1: unbounded; causal folded into `right`) and the key-padding bytes."""
+    left: int
+    right: int
+    keep: torch.Tensor | None
+
+
+def band_of(q, k, causal: bool, window: tuple[int, int], keep: torch.Tensor | None) -> Band | None:
+    """The band of a call with Tk != Tq, a window or key padding (`mask.Visibility`'s rule); None for the plain
+    (square, causal or not) call the kernels run without a mask."""
+    if k.shape[-2] == q.shape[-2] and tuple(window) == (-1, -1) and keep is None:
+        return None
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(0, right)
+    if keep is not None:
+        keep = keep.contiguous().view(torch.uint8)
+    return Band(left, right, keep)
+
+
+def _band_args(band: Band | None, T: int, TK: int, placeholder: torch.Tensor) -> tuple:
+    """The kernels' (KEEP, stride_keep, TK, LEFT, RIGHT); a call without a band passes a placeholder pointer."""
+    if band is None:
+        return placeholder, 0, T, -1, -1
+    if band.keep is None:
+        return placeholder, 0, TK, band.left, band.right
+    return band.keep, band.keep.stride(0), TK, band.left, band.right
+
+
+def _band_meta(band: Band | None) -> dict:
+    """The masked form's compile-time switches (absent without a band: the plain kernels' picks keep their keys)."""
+    if band is None:
+        return {}
+    return {"CAUSAL": False, "MASK": True, "PAD": band.keep is not None}
+
+
+def _caller_tensors(band: Band | None, *tensors) -> tuple:
+    return tensors if band is None or band.keep is None else (*tensors, band.keep)
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -231,13 +272,14 @@ def _forward_branch(spec: KernelSpec, q, k, v, stats: bool, traced: bool):
 
 
 def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_eps: float, stat_targets=None,
-            traced: bool = False):
+            traced: bool = False, band: Band | None = None):
     """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,3) int64, max (H,) fp32).
 
     lse is in the kernels' units (base 2 natively, natural under emulation): only the backward reads it. With
     `stats`, per head: rows with a repeated maximum, P̄ = 1 entries and rows seen, and the largest score, added to
     `stat_targets` = (counts, max) where given (`AttentionStats.kernel_targets`: the running totals themselves),
-    else to fresh zeros and -inf; without `stats` both are empty."""
+    else to fresh zeros and -inf; without `stats` both are empty. A `band` (`band_of`: Tk != Tq, a window, key
+    padding) runs the native kernels' masked form; only native specs take one."""
     spec = spec_named(name)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
@@ -252,9 +294,15 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     eps = spec.eps if spec.stab == 1 else stats_eps * spec.units
     G = H // k.shape[1]  # query heads per key/value head (grouped-query attention)
     tensors = (q, k, v, out, lse, counts, smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
-    key = None if traced or INTERPRET else PLANS.key(("forward", name, causal, stats), (q, k, v, counts, smax))
+    if band is not None and not spec.native:
+        raise ValueError(f"the fused kernels mask only production FA2 numerics, not {name!r}")
+    key = None if traced or INTERPRET else PLANS.key(("forward", name, causal, stats, band and band[:2]),
+                                                       _caller_tensors(band, q, k, v, counts, smax))
     plan = PLANS.get(key) if key is not None else None
-    branch, tile = (plan.branch, None) if plan is not None else _forward_branch(spec, q, k, v, stats, traced)
+    if plan is not None:
+        branch, tile = plan.branch, None
+    else:
+        branch, tile = ("native", None) if band is not None else _forward_branch(spec, q, k, v, stats, traced)
     if branch == "emulation":
         seed = draw_seed() if spec.stochastic else 0  # where the reference draws it: the same bits
         args = (*tensors[:4], o_saved if spec.save_fp32_o else out, *tensors[4:], H, G, T, scale * spec.units, eps,
@@ -262,7 +310,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     elif branch == "hopper":
         args = (*tensors, H, T, scale * spec.units, eps)
     else:
-        args = (*tensors, H, G, T, scale * spec.units, eps)
+        args = (*tensors, H, G, T, scale * spec.units, eps, *_band_args(band, T, k.shape[-2], lse))
     if plan is not None:
         _launch_planned(plan, (args,))
         return out, o_saved, lse, counts, smax
@@ -278,7 +326,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
         constants, config = _hopper_constants(name, D, q.dtype, causal, tile, stats)
         bound = _run(hopper.attn_fwd, lambda _: hopper.grid(B * H, T, tile), args, constants, config, traced)
     else:
-        meta = {**spec.forward_constants, **launch}
+        meta = {**spec.forward_constants, **launch, **_band_meta(band)}
         scratch = _tma_candidates(spec, D, k, v)
         if scratch:
             _allow_device_descriptors()
@@ -293,50 +341,57 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     return out, o_saved, lse, counts, smax
 
 
-def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str, traced: bool = False):
+def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str, traced: bool = False,
+             band: Band | None = None):
     """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads.
 
     With grouped-query attention (k and v with H / G heads) the dK/dV kernel writes one query head's share per
     program into (B, H, T, D) buffers, summed over each group here, as flash-attn does."""
     spec = spec_named(name)
+    if band is not None and not spec.native:
+        raise ValueError(f"the fused kernels mask only production FA2 numerics, not {name!r}")
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
-    G = H // k.shape[1]
+    G, TK = H // k.shape[1], k.shape[-2]
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     dq = empty_in_layout_of(q, q.dtype)
-    per_head = q if G > 1 else k
-    dk = empty_in_layout_of(per_head, k.dtype)
-    dv = empty_in_layout_of(per_head, v.dtype)  # dK's strides: the kernel writes both through one set
+    if G > 1:  # one query head's share each, summed over the group below
+        dk, dv = (torch.empty(B, H, TK, D, dtype=t.dtype, device=t.device) for t in (k, v))
+    else:
+        dk = empty_in_layout_of(k, k.dtype)
+        dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
     dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, G, T,
                scale * spec.units, scale)
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, G, T, scale * spec.units, scale)
     if spec.native:
-        launch_args = (dq_args, dkdv_args)
+        masking = _band_args(band, T, TK, lse)
+        launch_args = ((*dq_args, *masking), (*dkdv_args, *masking))
     else:
         delta_pass = () if spec.delta_constants is None else (
             (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n),)
         launch_args = (*delta_pass, (*dq_args, spec.logical_n), (*dkdv_args, spec.logical_m))
-    key = None if traced or INTERPRET else PLANS.key(("backward", name, causal), (dout, q, k, v, o_saved, lse))
+    key = None if traced or INTERPRET else PLANS.key(("backward", name, causal, band and band[:2]),
+                                                       _caller_tensors(band, dout, q, k, v, o_saved, lse))
     plan = PLANS.get(key) if key is not None else None
     if plan is not None:
         _launch_planned(plan, launch_args)
     else:
-        launch = dict(HEAD_DIM=D, CAUSAL=causal)
+        launch = {"HEAD_DIM": D, "CAUSAL": causal, **_band_meta(band)}
 
         def rows(m):
             return _ceil_div(T, m["BLOCK_M"]), B * H
 
         def cols(m):
-            return _ceil_div(T, m["BLOCK_N"]), B * H
+            return _ceil_div(TK, m["BLOCK_N"]), B * H
 
         if spec.native:
             scratch = _tma_candidates(spec, D, q, k, v, dout)
             if scratch:
                 _allow_device_descriptors()
             bound = [_run_tuned(tunable, grid, args, launch, T=T, dtype=q.dtype, either=scratch, traced=traced)
-                     for tunable, grid, args in ((NATIVE_DQ, rows, dq_args), (NATIVE_DKDV, cols, dkdv_args))]
+                     for tunable, grid, args in zip((NATIVE_DQ, NATIVE_DKDV), (rows, cols), launch_args)]
         else:
             scratch = False
             config = emulation_config(spec.ops_fp32, D)
