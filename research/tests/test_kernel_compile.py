@@ -51,10 +51,11 @@ def test_kernel_compiles_for_sm90(policy, kernel, config):
                                             ("dkdv", tuning.DKDV_CONFIGS[0])])
 def test_the_masked_native_kernels_compile_for_sm90(kernel, config, tma):
     """The masked form (Tk != Tq, a band, key padding) with SFA and the statistics, at D = 128 (where TMA loads are
-    among the candidates), keeping its wgmmas asynchronous."""
+    among the candidates), keeping its wgmmas asynchronous; dK/dV summing a GQA group of 4 in its programs."""
     config = triton.Config({**config.kwargs, "TMA": tma}, num_warps=config.num_warps, num_stages=config.num_stages)
     name = _name("fa2", SFA(), head_dim=128)
-    consts = {**constexprs(name, kernel, 128, config, causal=False, stats=kernel == "fwd"), "MASK": True, "PAD": True}
+    consts = {**constexprs(name, kernel, 128, config, causal=False, stats=kernel == "fwd"), "MASK": True, "PAD": True,
+              **({"GROUP": 4} if kernel == "dkdv" else {})}
     compiled = compile_kernel(name, kernel, consts, config)
     assert 0 < resource_usage(compiled)["registers"] <= 255
     assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None

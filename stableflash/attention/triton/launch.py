@@ -345,8 +345,9 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
              band: Band | None = None):
     """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads.
 
-    With grouped-query attention (k and v with H / G heads) the dK/dV kernel writes one query head's share per
-    program into (B, H, T, D) buffers, summed over each group here, as flash-attn does."""
+    With grouped-query attention (k and v with H / G heads) the native dK/dV kernel sums each group's query heads
+    in its programs (`GROUP`), as flash-attn does; the emulation kernel writes one query head's share per program
+    into (B, H, Tk, D) buffers, summed over each group here (the reference's order: each head's rounded share)."""
     spec = spec_named(name)
     if band is not None and not spec.native:
         raise ValueError(f"the fused kernels mask only production FA2 numerics, not {name!r}")
@@ -356,7 +357,8 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     dq = empty_in_layout_of(q, q.dtype)
-    if G > 1:  # one query head's share each, summed over the group below
+    shares = G > 1 and not spec.native
+    if shares:  # one query head's share each, summed over the group below
         dk, dv = (torch.empty(B, H, TK, D, dtype=t.dtype, device=t.device) for t in (k, v))
     else:
         dk = empty_in_layout_of(k, k.dtype)
@@ -383,15 +385,17 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         def rows(m):
             return _ceil_div(T, m["BLOCK_M"]), B * H
 
-        def cols(m):
-            return _ceil_div(TK, m["BLOCK_N"]), B * H
+        def cols(m):  # natively one program per key/value head (`GROUP`), under emulation per query head
+            return _ceil_div(TK, m["BLOCK_N"]), B * H // (1 if shares else G)
 
         if spec.native:
             scratch = _tma_candidates(spec, D, q, k, v, dout)
             if scratch:
                 _allow_device_descriptors()
-            bound = [_run_tuned(tunable, grid, args, launch, T=T, dtype=q.dtype, either=scratch, traced=traced)
-                     for tunable, grid, args in zip((NATIVE_DQ, NATIVE_DKDV), (rows, cols), launch_args)]
+            grouped = {"GROUP": G} if G > 1 else {}  # absent for MHA: its picks keep their keys
+            bound = [_run_tuned(tunable, grid, args, meta, T=T, dtype=q.dtype, either=scratch, traced=traced)
+                     for tunable, grid, args, meta in zip((NATIVE_DQ, NATIVE_DKDV), (rows, cols), launch_args,
+                                                          (launch, {**launch, **grouped}))]
         else:
             scratch = False
             config = emulation_config(spec.ops_fp32, D)
@@ -403,6 +407,6 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
                      for (kernel, grid, constants), args in zip(kernels, launch_args, strict=True)]
         if key is not None:
             PLANS.keep(key, "native" if spec.native else "emulation", bound, scratch)
-    if G > 1:
+    if shares:
         dk, dv = (torch.sum(t.unflatten(1, (H // G, G)), dim=2, out=empty_in_layout_of(k, t.dtype)) for t in (dk, dv))
     return dq, dk, dv

@@ -305,28 +305,13 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
 
 
 @triton.jit
-def attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, G, T, qk_scale, scale, KEEP, stride_keep,
-    TK, LEFT, RIGHT,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
-    MASK: tl.constexpr = False, PAD: tl.constexpr = False,
-):
-    """dK and dV (both with strides `stride_g*`) of one key tile, over the query tiles that see it."""
-    qk_scale, scale = fp32(qk_scale), fp32(scale)
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+def _dkdv_head(k, v, keep, dk, dv, Q, DO, LSE, DELTA, bh, pid_n, offs_n, H, T, TK, LEFT, RIGHT, stride_qb, stride_qh,
+               stride_qt, stride_dob, stride_doh, stride_dot, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr):
+    """Query head bh's share of one key tile's dK and dV, over the query tiles that see it, added to dk, dv."""
     q_off = head_offset(bh, H, stride_qb, stride_qh)
     do_off = head_offset(bh, H, stride_dob, stride_doh)
     row_off = bh.to(tl.int64) * T
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_rows(K + kv_head_offset(bh, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM)
-    v = load_rows(V + kv_head_offset(bh, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM)
-    keep = real_keys(KEEP + (bh // H).to(tl.int64) * stride_keep, offs_n, TK, PAD)
-    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
-    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
-
     QS = _head_rows(Q, q_off, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
     DOS = _head_rows(DO, do_off, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
     if MASK:  # every query tile whose band reaches this key tile, each masked
@@ -352,6 +337,35 @@ def attn_bwd_dkdv(
             dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep, BLOCK_M, HEAD_DIM, CAUSAL, True,
                                 TMA, False)
-    out = head_offset(bh, H, stride_gb, stride_gh)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, G, T, qk_scale, scale, KEEP, stride_keep,
+    TK, LEFT, RIGHT,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+    MASK: tl.constexpr = False, PAD: tl.constexpr = False, GROUP: tl.constexpr = 1,
+):
+    """dK and dV (both with strides `stride_g*`) of one key tile, over the query tiles that see it. With GROUP > 1
+    (grouped-query attention, GROUP = G) a program serves one key/value head, grid (key tiles, B·H / G), and sums its
+    group's query heads in fp32 before it stores, as flash-attn does; else one query head's share (GQA under
+    emulation: summed over each group by the launcher)."""
+    qk_scale, scale = fp32(qk_scale), fp32(scale)
+    pid_n = tl.program_id(0)
+    first = tl.program_id(1) * GROUP  # the first query head (batch·head) of the program
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = load_rows(K + kv_head_offset(first, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM)
+    v = load_rows(V + kv_head_offset(first, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM)
+    keep = real_keys(KEEP + (first // H).to(tl.int64) * stride_keep, offs_n, TK, PAD)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    for g in tl.static_range(GROUP):
+        dk, dv = _dkdv_head(k, v, keep, dk, dv, Q, DO, LSE, DELTA, first + g, pid_n, offs_n, H, T, TK, LEFT, RIGHT,
+                            stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, qk_scale, HEAD_DIM,
+                            BLOCK_M, BLOCK_N, CAUSAL, TMA, MASK)
+    out = head_offset(tl.program_id(1), H // GROUP, stride_gb, stride_gh)
     store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM)
     store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM)
