@@ -8,8 +8,9 @@ Layout:
 - `launch.py`: allocation and launches; `compiled.py`: eager launches of compiled kernels (the one seam below
   Triton's launch); `ops.py`: the autograd Function and the `torch.library` ops.
 
-Public here: `attention`, `supports`, `supports_policy`, `pick_tiles`, the tile picks' `tile_picks_state_dict` /
-`load_tile_picks` (what a checkpoint keeps), and `KernelOptions` / `kernel_options` / `set_kernel_options`.
+Public here: `attention`, `supports`, `supports_policy`, `supports_masks`, `pick_tiles`, the tile picks'
+`tile_picks_state_dict` / `load_tile_picks` (what a checkpoint keeps), and `KernelOptions` / `kernel_options` /
+`set_kernel_options`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from stableflash.attention.stats import AttentionStats
 from stableflash.attention.triton.options import KernelOptions, kernel_options, set_kernel_options
 from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, spec_name, unsupported_reason
 
-__all__ = ["attention", "supports", "supports_policy", "supports_masks", "pick_tiles", "tile_picks_state_dict", "load_tile_picks",
-           "HEAD_DIMS", "KernelOptions", "kernel_options", "set_kernel_options"]
+__all__ = ["attention", "supports", "supports_policy", "supports_masks", "pick_tiles", "tile_picks_state_dict",
+           "load_tile_picks", "HEAD_DIMS", "KernelOptions", "kernel_options", "set_kernel_options"]
 
 
 def supports(q: torch.Tensor) -> bool:
