@@ -46,16 +46,22 @@ def test_kernel_compiles_for_sm90(policy, kernel, config):
     assert 0 < usage["registers"] <= 255
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("kernel, config", [("fwd", tuning.FWD_CONFIGS[0]), ("dq", tuning.DQ_CONFIGS[0]),
                                             ("dkdv", tuning.DKDV_CONFIGS[0])])
-def test_the_masked_native_kernels_compile_for_sm90(kernel, config, tma):
-    """The masked form (Tk != Tq, a band, key padding) with SFA and the statistics, at D = 128 (where TMA loads are
-    among the candidates), keeping its wgmmas asynchronous; dK/dV summing a GQA group of 4 in its programs."""
+def test_the_masked_native_kernels_compile_for_sm90(kernel, config, tma, packed, monkeypatch):
+    """The masked form (Tk != Tq, a band, key padding or packed sequences) with SFA and the statistics, at D = 128
+    (where TMA loads are among the candidates), keeping its wgmmas asynchronous; dK/dV summing a GQA group of 4 in
+    its programs."""
+    import offline_compile
+
+    if packed:  # the sequences' (3, T) int32 in place of the padding bytes
+        monkeypatch.setitem(offline_compile._POINTERS, "KEEP", "*i32")
     config = triton.Config({**config.kwargs, "TMA": tma}, num_warps=config.num_warps, num_stages=config.num_stages)
     name = _name("fa2", SFA(), head_dim=128)
     consts = {**constexprs(name, kernel, 128, config, causal=False, stats=kernel == "fwd"), "MASK": True, "PAD": True,
-              **({"GROUP": 4} if kernel == "dkdv" else {})}
+              "SEG": packed, **({"GROUP": 4} if kernel == "dkdv" else {})}
     compiled = compile_kernel(name, kernel, consts, config)
     assert 0 < resource_usage(compiled)["registers"] <= 255
     assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None

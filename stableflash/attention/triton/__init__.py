@@ -93,12 +93,13 @@ def check(q: torch.Tensor, policy: Precision, stabilize) -> None:
 
 def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabilize=None,
               stats: AttentionStats | None = None, window: tuple[int, int] = (-1, -1),
-              key_padding: torch.Tensor | None = None) -> torch.Tensor:
+              key_padding: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
     """Fused attention; a per-head policy override runs each group of heads through its own kernel. Tk != Tq, a
-    window and key padding (`supports_masks`) run the native kernels' masked form."""
+    window, key padding and packed sequences (`segments`: `launch.packed_segments`, q, k, v one batch row of the
+    packed sequences) run the native kernels' masked form (`supports_masks`)."""
     from stableflash.attention.triton import launch
 
-    band = launch.band_of(q, k, causal, window, key_padding)
+    band = launch.band_of(q, k, causal, window, key_padding, segments)
     # checked eagerly; compiled calls come through `flash_attention`, which checks by the policy's key
     if band is not None and not torch.compiler.is_compiling() and not supports_masks(policy, stabilize, q.dtype,
                                                                                       q.shape[-1]):

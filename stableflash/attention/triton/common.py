@@ -102,30 +102,53 @@ def store_rows(ptr, x, offs, stride_t, T, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def real_keys(KEEP_ROW, offs_n, TK, PAD: tl.constexpr):
-    """Which keys `offs_n` are real: the key-padding row (bytes, nonzero = a real key) under PAD, else all."""
+def key_tags(KEEP_ROW, offs_n, TK, PAD: tl.constexpr):
+    """Each key's tag: its byte of the key-padding row (1 = a real key) or its sequence's index in a packed batch
+    (PAD), else 1. A query sees a key only where their tags agree (`query_tags`)."""
     if PAD:
-        keep = tl.load(KEEP_ROW + offs_n, mask=offs_n < TK, other=0) != 0
+        tags = tl.load(KEEP_ROW + offs_n, mask=offs_n < TK, other=0).to(tl.int32)
     else:
-        keep = offs_n >= 0
-    return keep
+        tags = tl.full(offs_n.shape, 1, tl.int32)
+    return tags
 
 
 @triton.jit
-def band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep):
+def query_tags(KEEP_ROW, offs_m, T, SEG: tl.constexpr):
+    """Each query's tag: its sequence's index in a packed batch (SEG), else 1 (padding: a real key's tag)."""
+    if SEG:
+        tags = tl.load(KEEP_ROW + offs_m, mask=offs_m < T, other=-1)
+    else:
+        tags = tl.full(offs_m.shape, 1, tl.int32)
+    return tags
+
+
+@triton.jit
+def segment_range(SEGS, start, BLOCK: tl.constexpr, T, lo, hi, SEG: tl.constexpr):
+    """[lo, hi) narrowed to the positions of the packed sequences that a tile's positions start.. belong to (SEG:
+    SEGS holds each position's sequence index, first position and end, (3, T) int32; queries and keys are the same
+    positions in a packed batch). lo is not rounded to a tile."""
+    if SEG:
+        last = tl.minimum(start + BLOCK, T) - 1
+        lo = tl.maximum(lo, tl.load(SEGS + T + start))
+        hi = tl.minimum(hi, tl.load(SEGS + 2 * T + last))
+    return lo, hi
+
+
+@triton.jit
+def band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, qtags, ktags):
     """(queries, keys) pairs a masked call shows: query i of T and key j of TK at distance d = j - (i + TK - T),
-    inside both lengths, with -LEFT <= d <= RIGHT (-1: unbounded; causal is RIGHT = 0), the key real (`keep`)."""
+    inside both lengths, with -LEFT <= d <= RIGHT (-1: unbounded; causal is RIGHT = 0), their tags agreeing."""
     d = offs_n[None, :] - (offs_m[:, None] + (TK - T))
     band = ((LEFT < 0) | (d >= -LEFT)) & ((RIGHT < 0) | (d <= RIGHT))
-    return band & (offs_m[:, None] < T) & (offs_n[None, :] < TK) & keep[None, :]
+    return band & (offs_m[:, None] < T) & (offs_n[None, :] < TK) & (qtags[:, None] == ktags[None, :])
 
 
 @triton.jit
-def band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, keep):
+def band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, qtags, ktags):
     """`band_visible` as (keys, queries), the dK/dV kernel's orientation."""
     d = offs_n[:, None] - (offs_m[None, :] + (TK - T))
     band = ((LEFT < 0) | (d >= -LEFT)) & ((RIGHT < 0) | (d <= RIGHT))
-    return band & (offs_m[None, :] < T) & (offs_n[:, None] < TK) & keep[:, None]
+    return band & (offs_m[None, :] < T) & (offs_n[:, None] < TK) & (ktags[:, None] == qtags[None, :])
 
 
 @triton.jit

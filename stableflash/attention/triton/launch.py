@@ -175,20 +175,35 @@ def fresh_stat_targets(num_heads: int, device) -> tuple[torch.Tensor, torch.Tens
 
 class Band(NamedTuple):
     """A masked call's visibility as the native kernels take it (`native.py`, `MASK`): the band's bounds on the
-    distance d = j - (i + Tk - Tq) (-1: unbounded; causal folded into `right`) and the key-padding bytes."""
+    distance d = j - (i + Tk - Tq) (-1: unbounded; causal folded into `right`), and `keep`: the key-padding bytes
+    (B, Tk), or with `packed` the sequences of a packed batch (`packed_segments`)."""
     left: int
     right: int
     keep: torch.Tensor | None
+    packed: bool = False
 
 
-def band_of(q, k, causal: bool, window: tuple[int, int], keep: torch.Tensor | None) -> Band | None:
-    """The band of a call with Tk != Tq, a window or key padding (`mask.Visibility`'s rule); None for the plain
+def packed_segments(offsets: list[int], device) -> torch.Tensor:
+    """(3, total) int32 for a packed batch with sequence s at positions offsets[s]:offsets[s+1]: each position's
+    sequence, that sequence's first position and its end."""
+    lengths = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], device=device)
+    starts, ends = torch.tensor(offsets[:-1], device=device), torch.tensor(offsets[1:], device=device)
+    index = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    return torch.stack([index, starts[index], ends[index]]).to(torch.int32).contiguous()
+
+
+def band_of(q, k, causal: bool, window: tuple[int, int], keep: torch.Tensor | None,
+            segments: torch.Tensor | None = None) -> Band | None:
+    """The band of a call with Tk != Tq, a window, key padding or packed sequences (`segments`, from
+    `packed_segments`: then q, k and v hold one batch row of them) by `mask.Visibility`'s rule; None for the plain
     (square, causal or not) call the kernels run without a mask."""
-    if k.shape[-2] == q.shape[-2] and tuple(window) == (-1, -1) and keep is None:
+    if k.shape[-2] == q.shape[-2] and tuple(window) == (-1, -1) and keep is None and segments is None:
         return None
     left, right = window
     if causal:
         right = 0 if right < 0 else min(0, right)
+    if segments is not None:
+        return Band(left, right, segments, packed=True)
     if keep is not None:
         keep = keep.contiguous().view(torch.uint8)
     return Band(left, right, keep)
@@ -200,14 +215,14 @@ def _band_args(band: Band | None, T: int, TK: int, placeholder: torch.Tensor) ->
         return placeholder, 0, T, -1, -1
     if band.keep is None:
         return placeholder, 0, TK, band.left, band.right
-    return band.keep, band.keep.stride(0), TK, band.left, band.right
+    return band.keep, 0 if band.packed else band.keep.stride(0), TK, band.left, band.right
 
 
 def _band_meta(band: Band | None) -> dict:
     """The masked form's compile-time switches (absent without a band: the plain kernels' picks keep their keys)."""
     if band is None:
         return {}
-    return {"CAUSAL": False, "MASK": True, "PAD": band.keep is not None}
+    return {"CAUSAL": False, "MASK": True, "PAD": band.keep is not None, "SEG": band.packed}
 
 
 def _caller_tensors(band: Band | None, *tensors) -> tuple:
@@ -296,7 +311,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     tensors = (q, k, v, out, lse, counts, smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
     if band is not None and not spec.native:
         raise ValueError(f"the fused kernels mask only production FA2 numerics, not {name!r}")
-    key = None if traced or INTERPRET else PLANS.key(("forward", name, causal, stats, band and band[:2]),
+    key = None if traced or INTERPRET else PLANS.key(("forward", name, causal, stats, band and (*band[:2], band.packed)),
                                                        _caller_tensors(band, q, k, v, counts, smax))
     plan = PLANS.get(key) if key is not None else None
     if plan is not None:
@@ -374,7 +389,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         delta_pass = () if spec.delta_constants is None else (
             (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n),)
         launch_args = (*delta_pass, (*dq_args, spec.logical_n), (*dkdv_args, spec.logical_m))
-    key = None if traced or INTERPRET else PLANS.key(("backward", name, causal, band and band[:2]),
+    key = None if traced or INTERPRET else PLANS.key(("backward", name, causal, band and (*band[:2], band.packed)),
                                                        _caller_tensors(band, dout, q, k, v, o_saved, lse))
     plan = PLANS.get(key) if key is not None else None
     if plan is not None:

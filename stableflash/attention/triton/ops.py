@@ -34,25 +34,26 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, dout, *_):
         q, k, v, o_saved, lse, keep = ctx.saved_tensors
         dq, dk, dv = launch.backward(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.name,
-                                     band=_band(ctx.masked, *ctx.bounds, keep))
+                                     band=_band(ctx.masked, *ctx.bounds, keep, ctx.packed))
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def band_fields(band) -> tuple:
-    """A `launch.Band` (or None) as the ops' arguments: masked, left, right, keep."""
-    return (False, -1, -1, None) if band is None else (True, band.left, band.right, band.keep)
+    """A `launch.Band` (or None) as the ops' arguments: masked, left, right, keep, packed."""
+    return (False, -1, -1, None, False) if band is None else (True, band.left, band.right, band.keep, band.packed)
 
 
-def _band(masked: bool, left: int, right: int, keep):
-    return launch.Band(left, right, keep) if masked else None
+def _band(masked: bool, left: int, right: int, keep, packed: bool):
+    return launch.Band(left, right, keep, packed) if masked else None
 
 
 def _setup_context(ctx, inputs, output):
     """What the backward needs (shared by the ops' autograd and `FlashAttention`)."""
-    q, k, v, causal, scale, name, _, _, masked, left, right, keep = inputs
+    q, k, v, causal, scale, name, _, _, masked, left, right, keep, packed = inputs
     out, o_saved, lse, _, _ = output
     ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse, keep)
     ctx.causal, ctx.scale, ctx.name, ctx.masked, ctx.bounds = causal, scale, name, masked, (left, right)
+    ctx.packed = packed
 
 
 # -- opaque ops -------------------------------------------------------------------------------------------------------
@@ -60,12 +61,13 @@ def _setup_context(ctx, inputs, output):
 @torch.library.custom_op("stableflash::flash_fwd", mutates_args=())
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, name: str,
               stats: bool, stats_eps: float, masked: bool = False, left: int = -1, right: int = -1,
-              keep: torch.Tensor | None = None) -> _FwdOutputs:
-    return launch.forward(q, k, v, causal, scale, name, stats, stats_eps, band=_band(masked, left, right, keep))
+              keep: torch.Tensor | None = None, packed: bool = False) -> _FwdOutputs:
+    return launch.forward(q, k, v, causal, scale, name, stats, stats_eps,
+                          band=_band(masked, left, right, keep, packed))
 
 
 @flash_fwd.register_fake
-def _(q, k, v, causal, scale, name, stats, stats_eps, masked=False, left=-1, right=-1, keep=None):
+def _(q, k, v, causal, scale, name, stats, stats_eps, masked=False, left=-1, right=-1, keep=None, packed=False):
     spec = spec_named(name)
     B, H, T, _ = q.shape
     out = launch.empty_in_layout_of(q, spec.out_dtype)
@@ -77,12 +79,13 @@ def _(q, k, v, causal, scale, name, stats, stats_eps, masked=False, left=-1, rig
 @torch.library.custom_op("stableflash::flash_bwd", mutates_args=())
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_saved: torch.Tensor,
               lse: torch.Tensor, causal: bool, scale: float, name: str, masked: bool = False, left: int = -1,
-              right: int = -1, keep: torch.Tensor | None = None) -> _BwdOutputs:
-    return launch.backward(dout, q, k, v, o_saved, lse, causal, scale, name, band=_band(masked, left, right, keep))
+              right: int = -1, keep: torch.Tensor | None = None, packed: bool = False) -> _BwdOutputs:
+    return launch.backward(dout, q, k, v, o_saved, lse, causal, scale, name,
+                           band=_band(masked, left, right, keep, packed))
 
 
 @flash_bwd.register_fake
-def _(dout, q, k, v, o_saved, lse, causal, scale, name, masked=False, left=-1, right=-1, keep=None):
+def _(dout, q, k, v, o_saved, lse, causal, scale, name, masked=False, left=-1, right=-1, keep=None, packed=False):
     return (launch.empty_in_layout_of(q, q.dtype), launch.empty_in_layout_of(k, k.dtype),
             launch.empty_in_layout_of(k, v.dtype))
 
@@ -90,8 +93,8 @@ def _(dout, q, k, v, o_saved, lse, causal, scale, name, masked=False, left=-1, r
 def _backward(ctx, dout, *_):
     q, k, v, o_saved, lse, keep = ctx.saved_tensors
     dq, dk, dv = flash_bwd(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.name, ctx.masked, *ctx.bounds,
-                           keep)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                           keep, ctx.packed)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -104,28 +107,28 @@ flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 @triton_op("stableflash::flash_fwd_traced", mutates_args=())
 def flash_fwd_traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, name: str,
                      stats: bool, stats_eps: float, masked: bool = False, left: int = -1, right: int = -1,
-                     keep: torch.Tensor | None = None) -> _FwdOutputs:
+                     keep: torch.Tensor | None = None, packed: bool = False) -> _FwdOutputs:
     spec = spec_named(name)
     if spec.stochastic or (not masked and launch.hopper_forward_tile(spec, q, k, v, stats) is not None):
         # a node of its own (the Gluon forward, or a seed drawn when the call runs); the backward is traced
-        return flash_fwd(q, k, v, causal, scale, name, stats, stats_eps, masked, left, right, keep)
+        return flash_fwd(q, k, v, causal, scale, name, stats, stats_eps, masked, left, right, keep, packed)
     return launch.forward(q, k, v, causal, scale, name, stats, stats_eps, traced=True,
-                          band=_band(masked, left, right, keep))
+                          band=_band(masked, left, right, keep, packed))
 
 
 @triton_op("stableflash::flash_bwd_traced", mutates_args=())
 def flash_bwd_traced(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_saved: torch.Tensor,
                      lse: torch.Tensor, causal: bool, scale: float, name: str, masked: bool = False, left: int = -1,
-                     right: int = -1, keep: torch.Tensor | None = None) -> _BwdOutputs:
+                     right: int = -1, keep: torch.Tensor | None = None, packed: bool = False) -> _BwdOutputs:
     return launch.backward(dout, q, k, v, o_saved, lse, causal, scale, name, traced=True,
-                           band=_band(masked, left, right, keep))
+                           band=_band(masked, left, right, keep, packed))
 
 
 def _backward_traced(ctx, dout, *_):
     q, k, v, o_saved, lse, keep = ctx.saved_tensors
     dq, dk, dv = flash_bwd_traced(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.name, ctx.masked,
-                                  *ctx.bounds, keep)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                  *ctx.bounds, keep, ctx.packed)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 flash_fwd_traced.register_autograd(_backward_traced, setup_context=_setup_context)
