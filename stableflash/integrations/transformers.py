@@ -5,9 +5,10 @@
     model = AutoModelForCausalLM.from_config(config, attn_implementation="stableflash_sfa")
 
 `"stableflash"` computes FA2's numerics, `"stableflash_sfa"` adds stabilized flash attention (the bounded rule, which
-the fused kernels run). Both take flash-attn's masks from `transformers`: a (B, Tk) padding mask or none, and packed
-sequences through `position_ids` that restart at 0 (batch size 1), so they honour padding and packing as
-`flash_attention_2` does. GQA's k and v arrive with their own head count and are never repeated in memory by us.
+the fused kernels run). Both take flash-attn's masks from `transformers`: a (B, Tk) padding mask or none, packed
+sequences through `position_ids` that restart at 0 (batch size 1), and a sliding-window model's `sliding_window`, so
+they honour padding, packing and windows as `flash_attention_2` does. GQA's k and v arrive with their own head count
+and are never repeated in memory by us.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def _make_forward(stabilize, precision_default: str = "fa2", backend: str = "aut
             precision, switched, stats = watcher.attention_for(module.layer_idx)
             stabilize_here = switched or stabilize
         # packed sequences: the offsets transformers' DataCollatorWithFlattening passes, else from position_ids
+        # a sliding-window model's window, as transformers' own flash-attn path sets it
+        sliding = kwargs.get("sliding_window")
+        window = (sliding - 1, sliding - 1) if sliding is not None and key.shape[2] > sliding else None
         offsets, key_offsets = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
         if offsets is None and keep is None and query.shape[2] > 1:
             offsets = _packed_offsets(kwargs.get("position_ids"), query.shape[0])
@@ -72,10 +76,10 @@ def _make_forward(stabilize, precision_default: str = "fa2", backend: str = "aut
         if offsets is not None and query.shape[0] == 1:
             out = flash_attn_varlen_func(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                          offsets, key_offsets, query.shape[2], key.shape[2], softmax_scale=scaling,
-                                         causal=causal, precision=precision, stabilize=stabilize_here, stats=stats,
-                                         backend=backend)
+                                         causal=causal, window_size=window or (-1, -1), precision=precision,
+                                         stabilize=stabilize_here, stats=stats, backend=backend)
             return out[None], None
-        out = flash_attention(query, key, value, causal=causal, scale=scaling, key_padding_mask=keep,
+        out = flash_attention(query, key, value, causal=causal, scale=scaling, key_padding_mask=keep, window=window,
                               stabilize=stabilize_here, precision=precision, stats=stats, backend=backend)
         return out.transpose(1, 2).contiguous(), None
 

@@ -5,13 +5,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig  # noqa: E402
 
 from stableflash.integrations.transformers import register  # noqa: E402
 
 CONFIGS = {
     "llama-gqa": lambda: LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "mistral-window": lambda: MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                            sliding_window=5),
     "gpt2": lambda: GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
                                resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0),
 }
