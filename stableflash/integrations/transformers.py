@@ -46,6 +46,8 @@ def _make_forward(stabilize, precision_default: str = "fa2", backend: str = "aut
                              "attention dropout to 0")
         if kwargs.get("softcap") is not None:
             raise ValueError("softcap: not supported by stableflash attention")
+        if kwargs.get("s_aux") is not None:
+            raise ValueError("s_aux: attention sinks are not supported by stableflash attention")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         device = query.device.type
         if torch.is_autocast_enabled(device):  # as autocast runs SDPA: q, k, v in its dtype (RoPE hands fp32 q, k)

@@ -155,3 +155,13 @@ def test_a_compiled_llama_has_no_graph_breaks():
     loss = compiled(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_attention_sinks_are_refused_by_name():
+    from stableflash.integrations.transformers import _make_forward
+
+    forward = _make_forward(None)
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="s_aux"):
+        forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+
