@@ -245,9 +245,10 @@ def test_masked_calls_run_in_the_kernels(case, stabilize, head_dim):
         keep[1] = False  # a batch row with no real key: every query row of it sees nothing
         keep = keep.to(DEVICE)
     masks = dict(causal=causal, window=window, key_padding_mask=keep)
-    stats = AttentionStats(H)
+    stats, ref_stats = AttentionStats(H), AttentionStats(H)
     ours = _run(functools.partial(_attention, stabilize=stabilize, stats=stats, **masks), q, k, v, dout)
-    ref = _run(functools.partial(flash_attention, stabilize=stabilize, backend="reference", **masks), q, k, v, dout)
+    ref = _run(functools.partial(flash_attention, stabilize=stabilize, backend="reference", stats=ref_stats, **masks),
+               q, k, v, dout)
     q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     cpu_masks = {**masks, "key_padding_mask": None if keep is None else keep.cpu()}
     exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **cpu_masks), q64, k64, v64,
@@ -261,6 +262,8 @@ def test_masked_calls_run_in_the_kernels(case, stabilize, head_dim):
     if padded:
         assert (ours[0][1] == 0).all() and (ours[1][1] == 0).all() and (ours[2][1] == 0).all()
     assert stats.rows.tolist() == [B * Tq] * H
+    # the largest score is of visible keys only (a hidden key's score is often larger): the reference's
+    assert torch.allclose(stats.max_score.cpu(), ref_stats.max_score.cpu(), rtol=1e-5), f"seed {seed}"
 
 
 @pytest.mark.parametrize("causal, window", [(True, None), (True, (9, 0)), (False, (6, 4))])
