@@ -171,12 +171,13 @@ def flash_attention(
     grouped = k.shape[1] != q.shape[1]
     # the fused kernels take grouped-query attention as such (no repeated k and v), one policy for every head; masks
     # (Tk != Tq, windows, key padding) in their native form, under production FA2 numerics
+    policy_key, stabilize_key = policy.key, stabilizers.key_of(stabilize)
     kernels_take = not (grouped and policy.head_override is not None) and (
-        not masked or (q.is_cuda and _HAS_TRITON and _triton_masks(policy.key, stabilizers.key_of(stabilize), q.dtype,
-                                                                   q.shape[-1])))
+        not masked or (triton_available(q) and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1], True)))
     if backend == "auto":
         backend = "reference"
-        if kernels_take and triton_available(q) and _triton_supports(policy.key, stabilizers.key_of(stabilize), q.dtype):
+        if kernels_take and triton_available(q) and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1],
+                                                                  False):
             backend = "triton"
     if backend == "triton" and not kernels_take and q.is_cuda:
         raise ValueError("backend: 'triton' runs Tk != Tq, windows and key padding only under production FA2 "
@@ -214,25 +215,17 @@ def flash_attention(
 
 
 @torch.compiler.assume_constant_result
-def _triton_supports(policy_key: str, stabilize_key: str | None, dtype: torch.dtype) -> bool:
-    """Under torch.compile evaluated once, at trace time (by the keys: dynamo cannot pass dataclass instances)."""
-    return _supports_by_key(policy_key, stabilize_key, dtype)
-
-
-@torch.compiler.assume_constant_result
-def _triton_masks(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernels take masked calls under this policy (`triton.supports_masks`), by the keys."""
-    return _masks_by_key(policy_key, stabilize_key, dtype, head_dim)
-
-
-@functools.lru_cache(maxsize=1024)
-def _masks_by_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int) -> bool:
-    from stableflash.attention import triton as triton_backend
-    return triton_backend.supports_masks(Precision.from_key(policy_key), stabilizers.from_key(stabilize_key), dtype,
-                                         head_dim)
+def _triton_takes(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, masked: bool) -> bool:
+    """Whether the kernels run the policy (`triton.supports_policy`), masked calls too where `masked`
+    (`triton.supports_masks`). Under torch.compile evaluated once, at trace time (by the keys: dynamo cannot pass
+    dataclass instances)."""
+    return _takes_by_key(policy_key, stabilize_key, dtype, head_dim, masked)
 
 
 @functools.lru_cache(maxsize=1024)  # asked on every `backend="auto"` call on CUDA
-def _supports_by_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype) -> bool:
+def _takes_by_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, masked: bool) -> bool:
     from stableflash.attention import triton as triton_backend
-    return triton_backend.supports_policy(Precision.from_key(policy_key), stabilizers.from_key(stabilize_key), dtype)
+    policy, stabilize = Precision.from_key(policy_key), stabilizers.from_key(stabilize_key)
+    if masked:
+        return triton_backend.supports_masks(policy, stabilize, dtype, head_dim)
+    return triton_backend.supports_policy(policy, stabilize, dtype)

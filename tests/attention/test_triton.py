@@ -185,6 +185,19 @@ def test_narrow_formats_round_as_the_reference_does_value_by_value():
             assert (torch.signbit(y.cpu()) == torch.signbit(want)).all(), (fmt, mode, "sign")
 
 
+def _grouped_inputs(B, H, Tq, Tk, D, groups):
+    """Fresh q (B, H, Tq, D), k and v (B, H / groups, Tk, D) and dO, and the generator after them (for masks); the
+    seed is printed and returned, for the failure messages."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(B, H // groups, Tk, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(B, H, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    return seed, g, q, k, v, dout
+
+
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
 @pytest.mark.parametrize("groups", [2, 4])
 def test_grouped_query_attention_reads_each_key_value_head_for_its_group(precision, groups):
@@ -192,13 +205,7 @@ def test_grouped_query_attention_reads_each_key_value_head_for_its_group(precisi
     summed over each group) within twice the reference's error against fp64; the emulated `paper` bit for bit
     with the reference, which repeats k and v, where a group is two heads (one sum, in either order)."""
     B, H, T, D = 2, 4, 77, 16 if INTERPRET else 64
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, T, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
-    k, v = (torch.randn(B, H // groups, T, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
-            for _ in range(2))
-    dout = torch.randn(B, H, T, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    _, _, q, k, v, dout = _grouped_inputs(B, H, T, T, D, groups)
     stats = AttentionStats(H)
     ours = _run(functools.partial(_attention, precision=precision, stats=stats), q, k, v, dout)
     ref = _run(functools.partial(flash_attention, precision=precision, backend="reference"), q, k, v, dout)
@@ -232,13 +239,7 @@ def test_masked_calls_run_in_the_kernels(case, stabilize, head_dim):
     give zeros; the statistics count every query row."""
     Tq, Tk, causal, window, padded, groups = MASKED_CASES[case]
     B, H, D = 2, 4, 16 if INTERPRET else head_dim
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
-    k, v = (torch.randn(B, H // groups, Tk, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
-            for _ in range(2))
-    dout = torch.randn(B, H, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    seed, g, q, k, v, dout = _grouped_inputs(B, H, Tq, Tk, D, groups)
     keep = None
     if padded:
         keep = torch.rand(B, Tk, generator=g) > 0.3
@@ -322,12 +323,7 @@ def test_masked_calls_compile_without_graph_breaks(path, monkeypatch):
     if path == "opaque":
         monkeypatch.setattr(ops, "compiled_forward_op", lambda: ops.flash_fwd)
     torch._dynamo.reset()
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")
-    g = torch.Generator().manual_seed(seed)
-    D = 16 if INTERPRET else 64
-    q = torch.randn(2, 4, 45, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
-    k, v = (torch.randn(2, 2, 77, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_() for _ in range(2))
+    seed, g, q, k, v, _ = _grouped_inputs(2, 4, 45, 77, 16 if INTERPRET else 64, 2)
     keep = (torch.rand(2, 77, generator=g) > 0.2).to(DEVICE)
 
     def f(q, k, v):

@@ -225,8 +225,15 @@ def _band_meta(band: Band | None) -> dict:
     return {"CAUSAL": False, "MASK": True, "PAD": band.keep is not None, "SEG": band.packed}
 
 
-def _caller_tensors(band: Band | None, *tensors) -> tuple:
-    return tensors if band is None or band.keep is None else (*tensors, band.keep)
+def _plan_key(traced: bool, static: tuple, band: Band | None, *tensors) -> tuple | None:
+    """The call's key in `PLANS` (None where no plan is kept: traced, or under the interpreter): `static`, the
+    band's bounds and form, the caller's tensors and the band's own."""
+    if traced or INTERPRET:
+        return None
+    if band is None:
+        return PLANS.key((*static, None), tensors)
+    caller = tensors if band.keep is None else (*tensors, band.keep)
+    return PLANS.key((*static, band.left, band.right, band.packed), caller)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -311,8 +318,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     tensors = (q, k, v, out, lse, counts, smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
     if band is not None and not spec.native:
         raise ValueError(f"the fused kernels mask only production FA2 numerics, not {name!r}")
-    key = None if traced or INTERPRET else PLANS.key(("forward", name, causal, stats, band and (*band[:2], band.packed)),
-                                                       _caller_tensors(band, q, k, v, counts, smax))
+    key = _plan_key(traced, ("forward", name, causal, stats), band, q, k, v, counts, smax)
     plan = PLANS.get(key) if key is not None else None
     if plan is not None:
         branch, tile = plan.branch, None
@@ -389,8 +395,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         delta_pass = () if spec.delta_constants is None else (
             (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n),)
         launch_args = (*delta_pass, (*dq_args, spec.logical_n), (*dkdv_args, spec.logical_m))
-    key = None if traced or INTERPRET else PLANS.key(("backward", name, causal, band and (*band[:2], band.packed)),
-                                                       _caller_tensors(band, dout, q, k, v, o_saved, lse))
+    key = _plan_key(traced, ("backward", name, causal), band, dout, q, k, v, o_saved, lse)
     plan = PLANS.get(key) if key is not None else None
     if plan is not None:
         _launch_planned(plan, launch_args)
