@@ -122,3 +122,16 @@ def test_statistics_stay_out_of_autograd_in_compiled_micro_batches():
     assert not stats.max_score.requires_grad
     assert stats.max_score.tolist() == pytest.approx(torch.maximum(w, 3 * w).tolist())  # the largest of x * w
     assert stats.rows.tolist() == [9, 9]
+
+
+def test_kernels_report_no_masks_for_head_dims_or_dtypes_they_do_not_run():
+    """`supports_masks` answers (False) rather than raising for a head dim or dtype the kernels lack: a masked call
+    at such a head dim takes the reference."""
+    pytest.importorskip("triton")
+    from stableflash.attention import triton as kernels
+    from stableflash.attention.precision import resolve
+
+    assert kernels.supports_masks(resolve("fa2"), None, torch.bfloat16, 64)
+    assert not kernels.supports_masks(resolve("fa2"), None, torch.bfloat16, 48)
+    assert not kernels.supports_masks(resolve("fa2"), None, torch.float32, 64)
+    assert not kernels.supports_masks(resolve("paper"), None, torch.bfloat16, 64)

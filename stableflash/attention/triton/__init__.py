@@ -43,7 +43,8 @@ def supports_masks(policy: Precision, stabilize, dtype: torch.dtype, head_dim: i
     native kernels) with no per-head override."""
     from stableflash.attention.triton.spec import spec_named
 
-    return (policy.head_override is None and supports_policy(policy, stabilize, dtype)
+    return (head_dim in HEAD_DIMS and dtype in INPUT_DTYPES and policy.head_override is None
+            and supports_policy(policy, stabilize, dtype)
             and spec_named(spec_name(policy, stabilize, dtype, head_dim, 1)).native)
 
 
