@@ -54,6 +54,36 @@ def measure(fn, shape) -> dict:
     return {"eager_ms": eager, "graph_ms": graph, "host_us": host_us(step, 200)}
 
 
+def trace_steps(shape, steps: int) -> None:
+    """Where a synced call's host time goes: the forward's and the backward's host time apart (each after draining
+    the queue, as `host_us`), then torch.profiler's CPU-side table (CUDA runtime and driver calls included)."""
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    for name, fn in calls(shape[1]).items():
+        def step(fn=fn):
+            q.grad = k.grad = v.grad = None
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(q, k, v)
+            middle = time.perf_counter()
+            torch.cuda.synchronize()
+            middle_synced = time.perf_counter()
+            out.backward(dout)
+            end = time.perf_counter()
+            return (middle - start) * 1e6, (end - middle_synced) * 1e6
+
+        for _ in range(20):
+            step()
+        times = [step() for _ in range(steps)]
+        print(f"{name:<10} forward {statistics.median(t[0] for t in times):6.1f} us  "
+              f"backward {statistics.median(t[1] for t in times):6.1f} us (host, synced before each)", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+
+
 def profile_steps(shape, steps: int) -> None:
     """Where the host's time goes in the steady state: the queue runs ahead, as in the eager benchmark."""
     import cProfile
@@ -89,8 +119,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="instead: cProfile this many back-to-back fa2 steps (no sync between them), print the top")
+    parser.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                        help="instead: each call's forward and backward host time apart, and torch.profiler's table")
     args = parser.parse_args()
     shape = tuple(int(x) for x in args.shape.split(","))
+    if args.trace:
+        trace_steps(shape, args.trace)
+        return
     if args.profile:
         profile_steps(shape, args.profile)
         return
