@@ -103,3 +103,39 @@ def test_changed_tile_picks_or_another_signature_decide_again(stand_ins):
     q, k, v, _ = _inputs(0)
     launch.forward(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True, 0.125, name, False, 1e-3)  # strides
     assert len(launch.PLANS) == 5
+
+
+class TracedLaunch:
+    """`wrap_triton`'s stand-in: inductor takes exactly the arguments a traced launch passes, so every parameter of
+    the kernel (the autotuner's: but its tile) must be among them."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            fn = self.kernel.fn if isinstance(self.kernel, triton.runtime.Autotuner) else self.kernel
+            tiled = {name for c in getattr(self.kernel, "configs", ()) for name in c.kwargs}
+            given = set(fn.arg_names[:len(args)]) | set(kwargs) | tiled
+            missing = [name for name in fn.arg_names if name not in given]
+            assert not missing, f"{fn.__name__}: a traced launch leaves out {missing}"
+            self.log.append(fn.__name__)
+        return launch_
+
+
+@pytest.mark.parametrize("picked", [True, False], ids=["picked tile", "autotuned"])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_traced_launches_pass_every_parameter(monkeypatch, picked, masked, kv_heads):
+    log = []
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(launch, "wrap_triton", lambda kernel: TracedLaunch(kernel, log))
+    tile = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "TMA": False}, num_warps=4, num_stages=2)
+    monkeypatch.setattr(TILE_PICKS, "get", lambda key: tile if picked else None)
+    name = spec_name(resolve("fa2"), None, torch.bfloat16, 64, 77)
+    q, k, v, dout = _inputs(0)
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    band = launch.band_of(q, k, True, (9, 0), None) if masked else None
+    out, _, lse, _, _ = launch.forward(q, k, v, True, 0.125, name, True, 1e-3, traced=True, band=band)
+    launch.backward(dout, q, k, v, out, lse, True, 0.125, name, traced=True, band=band)
+    assert log == ["attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"]

@@ -45,10 +45,19 @@ def _run(kernel, grid, args, meta: dict, config: triton.Config, traced: bool) ->
     kernel once Triton has compiled it (`compiled.py`), returning that launch bound to it."""
     if traced or INTERPRET:
         launcher = wrap_triton(kernel) if traced else kernel
+        meta = _with_defaults(kernel, len(args), meta, config.kwargs) if traced else meta
         launcher[grid(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                       num_stages=config.num_stages)
         return None
     return COMPILED.launch(kernel, grid, args, meta, config)
+
+
+def _with_defaults(kernel, num_args: int, meta: dict, tiled) -> dict:
+    """`meta` with the defaults of the kernel's compile-time parameters it leaves out (but the tile's, `tiled`):
+    `wrap_triton` hands inductor exactly the arguments given, where `kernel[grid]` fills in the defaults."""
+    defaults = {p.name: p.default for p in kernel.params[num_args:]
+                if p.has_default and p.name not in meta and p.name not in tiled}
+    return {**defaults, **meta}
 
 
 def pick_key(tunable: Tunable, T, dtype, meta: dict, either: bool):
@@ -69,7 +78,8 @@ def _run_tuned(tunable: Tunable, grid, args, meta: dict, *, T, dtype, either: bo
         return _run(tunable.kernel, grid, args, meta, picked, traced)
     tuner = tunable.either if either else tunable.pointers
     if traced:
-        wrap_triton(tuner)[grid](*args, **meta)
+        tiled = {name for c in tuner.configs for name in c.kwargs}
+        wrap_triton(tuner)[grid](*args, **_with_defaults(tunable.kernel, len(args), meta, tiled))
         return None
     tuner[grid](*args, **meta)
     if key is not None:
