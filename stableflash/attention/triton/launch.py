@@ -215,7 +215,7 @@ def band_of(q, k, causal: bool, window: tuple[int, int], keep: torch.Tensor | No
     if segments is not None:
         return Band(left, right, segments, packed=True)
     if keep is not None:
-        keep = keep.contiguous().view(torch.uint8)
+        keep = keep.to(torch.uint8).contiguous()  # a cast, not a view: inductor cannot lower bool viewed as bytes
     return Band(left, right, keep)
 
 
