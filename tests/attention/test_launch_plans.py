@@ -139,3 +139,22 @@ def test_traced_launches_pass_every_parameter(monkeypatch, picked, masked, kv_he
     out, _, lse, _, _ = launch.forward(q, k, v, True, 0.125, name, True, 1e-3, traced=True, band=band)
     launch.backward(dout, q, k, v, out, lse, True, 0.125, name, traced=True, band=band)
     assert log == ["attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"]
+
+
+def test_a_planned_call_asks_for_the_stream_once(stand_ins, monkeypatch):
+    asked = []
+    monkeypatch.setattr(compiled, "_stream", lambda device: asked.append(device) or 0)
+    name = spec_name(resolve("fa2"), None, torch.bfloat16, 64, 77)
+    _call(name, False, 0)  # decides
+    asked.clear()
+    _call(name, False, 1)
+    assert len(asked) == 2  # the forward's one launch and the backward's two: once per call
+
+
+def test_shared_empties_are_made_once(stand_ins):
+    name = spec_name(resolve("fa2"), None, torch.bfloat16, 64, 77)
+    q, k, v, _ = _inputs(0)
+    first, again = (launch.forward(q, k, v, True, 0.125, name, False, 1e-3, shared_empties=True) for _ in range(2))
+    assert all(a is b and a.numel() == 0 for a, b in zip(first[1:2] + first[3:], again[1:2] + again[3:]))
+    fresh = launch.forward(q, k, v, True, 0.125, name, False, 1e-3)
+    assert fresh[1] is not first[1] and fresh[3] is not first[3]

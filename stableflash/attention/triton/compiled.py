@@ -15,18 +15,29 @@ from C on every launch. With a hook registered (a profiler) the launch goes thro
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
-import torch
 import triton
 
 
+@functools.cache
+def _driver():
+    return triton.runtime.driver.active
+
+
 def _device() -> int:
-    return torch.cuda.current_device()
+    return _driver().get_current_device()
 
 
 def _stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    # the raw handle, as Triton's own launches take it (`torch.cuda.current_stream` builds a Stream object per call)
+    return _driver().get_current_stream(device)
+
+
+def current_stream() -> int:
+    """The current device's current CUDA stream handle: taken once for a call's launches."""
+    return _stream(_device())
 
 
 def _hooks_registered() -> bool:
@@ -45,13 +56,13 @@ class BoundLaunch(NamedTuple):
     grid: tuple[int, int]
     trailing: tuple
 
-    def __call__(self, args: tuple) -> None:
+    def __call__(self, args: tuple, stream: int | None = None) -> None:
         compiled, (x, y) = self.compiled, self.grid
         if _hooks_registered():
             compiled[(x, y, 1)](*args, *self.trailing)
         else:
-            compiled.run(x, y, 1, _stream(_device()), compiled.function, compiled.packed_metadata, None, None, None,
-                         *args, *self.trailing)
+            compiled.run(x, y, 1, current_stream() if stream is None else stream, compiled.function,
+                         compiled.packed_metadata, None, None, None, *args, *self.trailing)
 
 
 class CompiledLaunches:

@@ -26,7 +26,8 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, name, stats, stats_eps, stat_targets, band):
-        output = launch.forward(q, k, v, causal, scale, name, stats, stats_eps, stat_targets=stat_targets, band=band)
+        output = launch.forward(q, k, v, causal, scale, name, stats, stats_eps, stat_targets=stat_targets, band=band,
+                                shared_empties=True)
         _setup_context(ctx, (q, k, v, causal, scale, name, stats, stats_eps, *band_fields(band)), output)
         return output[0]
 
