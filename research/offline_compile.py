@@ -63,8 +63,9 @@ def compile_function(fn, consts: dict, options: dict, target: GPUTarget = SM90, 
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature = {name: "constexpr" if name in consts else _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
                  for name in fn.arg_names}
-    divisible = [name for name, kind in signature.items()  # LT, LQ: logical tiles, multiples of 64
-                 if kind.startswith("*") or name.startswith("stride_") or name in ("T", "LT", "LQ")]
+    divisible = [name for name, kind in signature.items()  # LT, LQ, LM: logical tiles, multiples of 64
+                 if kind.startswith("*") or name.startswith("stride_") and name != "stride_keep"
+                 or name in ("T", "LT", "LQ", "LM")]
     source = source_type(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
     return triton.compile(source, target=target, options=options)

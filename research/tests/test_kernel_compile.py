@@ -95,6 +95,17 @@ def test_emulated_kernels_round_every_product(preset, kernel):
     assert not re.findall(r"\bfma\.rn\.f32", ptx)
 
 
+@pytest.mark.parametrize("preset", ["paper", "bf16"])
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_the_masked_emulation_kernels_compile_for_sm90(preset, kernel):
+    """The emulation kernels' masked form (a band and key padding), still rounding every product on its own."""
+    config = tuning.emulation_config(False, 64)
+    name = _name(preset)
+    consts = {**constexprs(name, kernel, 64, config, causal=False, stats=kernel == "fwd"), "MASK": True, "PAD": True}
+    ptx = compile_kernel(name, kernel, consts, config).asm["ptx"]
+    assert not re.findall(r"\bfma\.rn\.f32", ptx)
+
+
 def _hopper_launches():
     """(head dim, SFA, statistics, tile) for every Gluon forward `launch.forward` runs on sm_90."""
     return [(head_dim, sfa, stats, choice.tile) for (head_dim, softmax_work), choice in hopper.FORWARD_TILES.items()

@@ -135,8 +135,8 @@ def flash_attention(
         Rows that see no key give O = 0 and zero gradients.
 
     GQA runs in the fused kernels too (k and v are read per group, not repeated); so do Tk != Tq, windows and key
-    padding under production FA2 numerics ("fa2", with or without a stabilizer); under other policies they run on
-    the reference ("auto" takes it, "triton" refuses them).
+    padding, under every policy the kernels run but a per-head override (there "auto" takes the reference and
+    "triton" refuses them).
     """
     if layout not in ("bhtd", "bthd"):
         raise ValueError(f"layout: expected 'bhtd' (B, H, T, D) or 'bthd' (B, T, H, D), got {layout!r}")
@@ -169,8 +169,8 @@ def flash_attention(
     masked = (k.shape[-2] != q.shape[-2] or key_padding_mask is not None
               or (window is not None and tuple(window) != (-1, -1)))
     grouped = k.shape[1] != q.shape[1]
-    # the fused kernels take grouped-query attention as such (no repeated k and v), one policy for every head; masks
-    # (Tk != Tq, windows, key padding) in their native form, under production FA2 numerics
+    # the fused kernels take grouped-query attention as such (no repeated k and v) and masks (Tk != Tq, windows, key
+    # padding) in their masked form, one policy for every head
     policy_key, stabilize_key = policy.key, stabilizers.key_of(stabilize)
     kernels_take = not (grouped and policy.head_override is not None) and (
         not masked or (triton_available(q) and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1], True)))
@@ -180,9 +180,8 @@ def flash_attention(
                                                                   False):
             backend = "triton"
     if backend == "triton" and not kernels_take and q.is_cuda:
-        raise ValueError("backend: 'triton' runs Tk != Tq, windows and key padding only under production FA2 "
-                         "numerics (precision 'fa2', no per-head override), and GQA only without a per-head policy; "
-                         "use backend='reference' or 'auto' (which takes the reference for them)")
+        raise ValueError("backend: 'triton' runs Tk != Tq, windows, key padding and GQA only without a per-head "
+                         "policy override; use backend='reference' or 'auto' (which takes the reference for them)")
     if grouped and backend != "triton":
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     # the backends other than the kernels take a masked call's mask as a description (the kernels: `band_of`)

@@ -83,11 +83,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 
 def _kernels_take_packed(q, k, precision, stabilize) -> bool:
     """Whether the fused kernels run this packed self-attention batch in one call (their masked form, under
-    production FA2 numerics): the sequences then never leave the packed tensors."""
+    production FA2 numerics; emulated policies run per sequence): the sequences then never leave the packed
+    tensors."""
     if not triton_available(q) or q.shape[1] % k.shape[1]:
         return False
     from stableflash.attention import triton as kernels
-    return kernels.supports_masks(resolve(precision), check_stabilize(stabilize), q.dtype, q.shape[-1])
+    return kernels.supports_masks(resolve(precision), check_stabilize(stabilize), q.dtype, q.shape[-1], packed=True)
 
 
 def _packed_in_the_kernels(q, k, v, offsets, scale, causal, window_size, precision, stabilize, stats):

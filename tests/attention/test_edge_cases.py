@@ -134,4 +134,6 @@ def test_kernels_report_no_masks_for_head_dims_or_dtypes_they_do_not_run():
     assert kernels.supports_masks(resolve("fa2"), None, torch.bfloat16, 64)
     assert not kernels.supports_masks(resolve("fa2"), None, torch.bfloat16, 48)
     assert not kernels.supports_masks(resolve("fa2"), None, torch.float32, 64)
-    assert not kernels.supports_masks(resolve("paper"), None, torch.bfloat16, 64)
+    assert kernels.supports_masks(resolve("paper"), None, torch.bfloat16, 64)
+    assert not kernels.supports_masks(resolve("paper"), None, torch.bfloat16, 64, packed=True)
+    assert kernels.supports_masks(resolve("fa2"), None, torch.bfloat16, 64, packed=True)

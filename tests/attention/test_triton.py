@@ -267,6 +267,42 @@ def test_masked_calls_run_in_the_kernels(case, stabilize, head_dim):
     assert torch.allclose(stats.max_score.cpu(), ref_stats.max_score.cpu(), rtol=1e-5), f"seed {seed}"
 
 
+@pytest.mark.parametrize("longer", [0, 123], ids=["one logical tile", "several logical tiles"])
+@pytest.mark.parametrize("precision", ["paper", "bf16"])
+@pytest.mark.parametrize("case", ["longer queries, causal (rows that see no key)", "window both sides", "everything"])
+def test_masked_calls_under_emulated_policies_match_the_reference(case, precision, longer):
+    """Tk != Tq, windows and key padding in the emulation kernels: outputs and gradients within twice the reference's
+    error against fp64, and mostly bit for bit with the reference under the same policy (the threshold the unmasked
+    emulation tests use); `longer` adds 123 positions, so that `bf16`'s 128-row logical tiles span two physical
+    ones and a window's tile is visited for the whole logical tile, as the reference visits it."""
+    Tq, Tk, causal, window, padded, groups = MASKED_CASES[case]
+    Tq, Tk = Tq + longer, Tk + longer
+    B, H, D = 2, 4, 16 if INTERPRET else 64
+    seed, g, q, k, v, dout = _grouped_inputs(B, H, Tq, Tk, D, groups)
+    keep = None
+    if padded:
+        keep = torch.rand(B, Tk, generator=g) > 0.3
+        keep[1, : Tk // 2] = False  # a row's first half all padding: its windowed queries there see nothing
+        keep = keep.to(DEVICE)
+    masks = dict(causal=causal, window=window, key_padding_mask=keep)
+    stats, ref_stats = AttentionStats(H), AttentionStats(H)
+    ours = _run(functools.partial(_attention, precision=precision, stats=stats, **masks), q, k, v, dout)
+    ref = _run(functools.partial(flash_attention, precision=precision, backend="reference", stats=ref_stats, **masks),
+               q, k, v, dout)
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    cpu_masks = {**masks, "key_padding_mask": None if keep is None else keep.cpu()}
+    exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **cpu_masks), q64, k64, v64,
+                 dout.cpu().double())
+    for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+        assert torch.isfinite(a).all(), (name, f"seed {seed}")
+        _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
+        equal = (a == r).float().mean().item()
+        assert equal >= (0.95 if name == "out" else 0.80), (name, equal, f"seed {seed}")
+    assert stats.rows.tolist() == [B * Tq] * H
+    assert torch.equal(stats.repeated_max_rows.cpu(), ref_stats.repeated_max_rows.cpu()), f"seed {seed}"
+    assert torch.allclose(stats.max_score.cpu(), ref_stats.max_score.cpu(), rtol=1e-5), f"seed {seed}"
+
+
 @pytest.mark.parametrize("causal, window", [(True, None), (True, (9, 0)), (False, (6, 4))])
 def test_packed_sequences_run_in_one_kernel_call(causal, window, monkeypatch):
     """flash_attn_varlen_func's packed batch (odd lengths, one of 1) in one masked call of the kernels, GQA: outputs

@@ -38,14 +38,16 @@ def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfl
     return unsupported_reason(policy, stabilize, dtype) is None
 
 
-def supports_masks(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernels run Tk != Tq, windows and key padding under `policy`: its production FA2 numerics (the
-    native kernels) with no per-head override."""
+def supports_masks(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, packed: bool = False) -> bool:
+    """Whether the kernels run Tk != Tq, windows and key padding under `policy` (any policy they run, without a
+    per-head override), and with `packed` a packed batch of sequences in one call (production FA2 numerics only:
+    the reference has no packed form to be bit-equal to, so emulated policies take one call per sequence)."""
     from stableflash.attention.triton.spec import spec_named
 
-    return (head_dim in HEAD_DIMS and dtype in INPUT_DTYPES and policy.head_override is None
-            and supports_policy(policy, stabilize, dtype)
-            and spec_named(spec_name(policy, stabilize, dtype, head_dim, 1)).native)
+    if not (head_dim in HEAD_DIMS and dtype in INPUT_DTYPES and policy.head_override is None
+            and supports_policy(policy, stabilize, dtype)):
+        return False
+    return not packed or spec_named(spec_name(policy, stabilize, dtype, head_dim, 1)).native
 
 
 def tile_picks_state_dict() -> list[dict]:
@@ -97,15 +99,16 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
               key_padding: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
     """Fused attention; a per-head policy override runs each group of heads through its own kernel. Tk != Tq, a
     window, key padding and packed sequences (`segments`: `launch.packed_segments`, q, k, v one batch row of the
-    packed sequences) run the native kernels' masked form (`supports_masks`)."""
+    packed sequences) run the kernels' masked form (`supports_masks`)."""
     from stableflash.attention.triton import launch
 
     band = launch.band_of(q, k, causal, window, key_padding, segments)
     # checked eagerly; compiled calls come through `flash_attention`, which checks by the policy's key
-    if band is not None and not torch.compiler.is_compiling() and not supports_masks(policy, stabilize, q.dtype,
-                                                                                      q.shape[-1]):
-        raise ValueError("backend: 'triton' runs Tk != Tq, windows and key padding only under production FA2 "
-                         "numerics (precision 'fa2', no per-head override); use backend='reference' or 'auto'")
+    if band is not None and not torch.compiler.is_compiling() and not supports_masks(
+            policy, stabilize, q.dtype, q.shape[-1], packed=band.packed):
+        raise ValueError("backend: 'triton' runs Tk != Tq, windows and key padding only without a per-head policy "
+                         "override, and packed sequences only under production FA2 numerics (precision 'fa2'); "
+                         "use backend='reference' or 'auto'")
     return split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
         q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads, band=band))
 
@@ -117,7 +120,7 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band)
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
     _, H, T, D = q.shape
-    name = spec_name(policy, stabilize, q.dtype, D, T)
+    name = spec_name(policy, stabilize, q.dtype, D, max(T, k.shape[-2]))  # an untiled policy: one tile of each
     args = (q, k, v, causal, float(scale), name, stats is not None, float(stats.eps) if stats is not None else 0.0)
     if torch.compiler.is_compiling():  # functional ops: the counts come back, added to `stats` below
         out, _, _, counts, smax = ops.compiled_forward_op()(*args, *ops.band_fields(band))

@@ -5,6 +5,10 @@ a format, fp32 to e8m3, and a mode, nearest-even or toward zero), and the policy
 forward, LQ queries or LT keys in the backward) are built from physical tiles of `spec.PHYSICAL_TILE`. The forward
 makes two or three passes over each logical tile: its maximum, its near-maximum count (only for SFA or the
 statistics), then P̄ and P̄V.
+With `MASK`, TK keys against T queries in a band (causal aligned to the bottom right, a window: `LEFT`, `RIGHT`) and,
+with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), as the native kernels take them: the forward visits the
+logical key tiles the reference visits for the logical query tile its rows are in (`Visibility.skips`: a visit
+rounds the accumulator again), the backward those its own rows or keys see (a hidden tile adds exact zeros there).
 Exponentials are libdevice's `exp` in natural units, as torch computes them. Bit-equal to the reference is the aim
 and what the tests check; speed comes second.
 """
@@ -19,10 +23,13 @@ from stableflash.attention.precision import SITE_INDEX
 from stableflash.attention.triton.common import (
     _INTERPRET,
     add_stats,
+    band_visible,
+    band_visible_t,
     cast,
     dot,
     fp32,
     head_offset,
+    key_tags,
     kv_head_offset,
     load_lse,
     load_rows,
@@ -143,18 +150,50 @@ def _log(x):
 
 
 @triton.jit
-def _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-            CAUSAL: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile of scores, rounded as the policy says; keys past T or the diagonal at -inf."""
+def _band_tiles(first, last, TILE, T, TK, LEFT, RIGHT):
+    """[lo, hi): the key tiles of TILE keys (lo on a tile's start) that some query of first..last sees in the band,
+    as `Visibility.skips` decides (padding not counted); empty where none does."""
+    offset = TK - T
+    lo = tl.where(LEFT >= 0, tl.maximum(first + offset - LEFT, 0), 0)
+    hi = tl.where(RIGHT >= 0, tl.minimum(last + offset + RIGHT + 1, TK), TK)
+    return tl.where(lo < hi, (lo // TILE) * TILE, hi), hi
+
+
+@triton.jit
+def _band_query_tiles(first, last, TILE, T, TK, LEFT, RIGHT):
+    """[lo, hi): the query tiles of TILE queries (lo on a tile's start) some key of first..last is visible to."""
+    offset = TK - T
+    lo = tl.where(RIGHT >= 0, tl.maximum(first - offset - RIGHT, 0), 0)
+    hi = tl.where(LEFT >= 0, tl.minimum(last - offset + LEFT + 1, T), T)
+    return tl.where(lo < hi, (lo // TILE) * TILE, hi), hi
+
+
+@triton.jit
+def _visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+             PAD: tl.constexpr):
+    """(queries, keys) pairs shown: in the band and not padding (MASK), else keys inside T and, when causal, at or
+    below the diagonal."""
+    if MASK:
+        real = tl.full(offs_m.shape, 1, tl.int32)  # a query's tag: a real key's
+        valid = band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, real, key_tags(keep_row, offs_n, TK, PAD))
+    else:
+        valid = offs_n[None, :] < T
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+    return valid
+
+
+@triton.jit
+def _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N: tl.constexpr,
+            HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PAD: tl.constexpr,
+            OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of scores, rounded as the policy says; the keys `_visible` hides at -inf."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kt = tl.load(K + k_off + offs_n[None, :] * stride_kt + tl.arange(0, HEAD_DIM)[:, None],
-                 mask=offs_n[None, :] < T, other=0.0)
+                 mask=offs_n[None, :] < TK, other=0.0)
     qk = dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), OPS_FP32)
     s = _round(_round(mul_rn(_round(qk, R_QK), scale), R_QK), R_SCORES)
-    valid = offs_n[None, :] < T
-    if CAUSAL:
-        valid = valid & (offs_m[:, None] >= offs_n[None, :])
-    return tl.where(valid, s, float("-inf"))
+    return tl.where(_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, CAUSAL, MASK, PAD), s, float("-inf"))
 
 
 @triton.jit
@@ -172,7 +211,7 @@ def _near_max(s, rm, eps):
 def attn_fwd(
     Q, K, V, O, OS, LSE, STAT_COUNTS, STAT_MAX,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_ot, H, G, T, scale, eps, LT, seed,
+    stride_ob, stride_oh, stride_ot, H, G, T, scale, eps, LT, seed, KEEP, stride_keep, TK, LEFT, RIGHT, LM,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, SAVE_OS: tl.constexpr, STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr,
     LOW: tl.constexpr, HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TILE_CLAMP: tl.constexpr,
@@ -180,10 +219,10 @@ def attn_fwd(
     R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
     R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_L_SAVED: tl.constexpr, R_DIV: tl.constexpr,
-    R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr,
+    R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, MASK: tl.constexpr = False, PAD: tl.constexpr = False,
 ):
     """O (and, with SAVE_OS, the fp32 O the backward reads for δ into OS) and the natural-unit lse of one query tile.
-    `seed`: the call's stochastic rounding seed (unused without it)."""
+    `seed`: the call's stochastic rounding seed (unused without it); LM: the logical query tile (read under MASK)."""
     scale, eps = fp32(scale), fp32(eps)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -197,23 +236,29 @@ def attn_fwd(
     repeated = tl.zeros((BLOCK_M,), tl.int32)
     ones = tl.zeros((BLOCK_M,), tl.int32)
     smax = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+    keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
+    if MASK:  # the key tiles the reference visits for the logical query tile these rows are in
+        first = (pid_m * BLOCK_M // LM) * LM
+        lo, hi = _band_tiles(first, tl.minimum(first + LM, T) - 1, LT, T, TK, LEFT, RIGHT)
+    else:
+        lo = 0
+        hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
 
-    for lt in range(0, hi, LT):
+    for lt in range(lo, hi, LT):
         lt_end = tl.minimum(lt + LT, hi)
         # pass 1: the logical tile's row maximum
         rm = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         for start_n in range(lt, lt_end, BLOCK_N):
-            s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32,
-                        R_QK, R_SCORES)
+            s = _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N,
+                        HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES)
             rm = tl.maximum(rm, tl.max(s, 1))
         rm = _round(rm, R_ROW_MAX)
         # pass 2 (SFA or statistics): near-maximum counts against the whole tile's maximum
         if STATS or STAB == 1:
             rs = tl.zeros((BLOCK_M,), tl.int32)
             for start_n in range(lt, lt_end, BLOCK_N):
-                s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32,
-                            R_QK, R_SCORES)
+                s = _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N,
+                            HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES)
                 rs += _near_max(s, rm, eps)
                 if STATS:
                     smax = tl.maximum(smax, tl.max(tl.where(s < float("inf"), s, float("-inf")), 1))
@@ -227,8 +272,8 @@ def attn_fwd(
         tile_sum = tl.zeros((BLOCK_M,), tl.float32)
         pv = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         for start_n in range(lt, lt_end, BLOCK_N):
-            s = _scores(q, K, k_off, start_n, offs_m, T, stride_kt, scale, BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32,
-                        R_QK, R_SCORES)
+            s = _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N,
+                        HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES)
             p = _round(_exp(_round(s - m_shift[:, None], R_SUB)), R_PBAR)
             if STAB == 2:
                 p = tl.minimum(p, CLAMP_CEIL)
@@ -237,7 +282,7 @@ def attn_fwd(
             if STATS:
                 ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
             tile_sum += tl.sum(p, 1)
-            v = load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
+            v = load_rows(V + v_off, offs_n, stride_vt, TK, HEAD_DIM)
             if OPS_FP32:
                 pv = dot(p_op, v, pv, True)
             else:
@@ -275,49 +320,74 @@ def attn_fwd(
 # -- backward --------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _probs(q, k, lse, offs_m, offs_n, T, scale, CAUSAL: tl.constexpr, OPS_FP32: tl.constexpr,
-           R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr):
+def _probs(q, k, lse, offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, scale, CAUSAL: tl.constexpr,
+           MASK: tl.constexpr, PAD: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
+           R_P_SUB: tl.constexpr, R_P: tl.constexpr):
     """P for one (queries, keys) tile, recomputed from the saved natural-unit lse."""
     qk = dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), OPS_FP32)
     s = _round(_round(mul_rn(_round(qk, R_QK), scale), R_QK), R_SCORES)
     p = _round(_exp(_round(s - lse[:, None], R_P_SUB)), R_P)
-    return tl.where(visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
+    if MASK:
+        valid = _visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, False, True, PAD)
+    else:
+        valid = visible(offs_m, offs_n, T, CAUSAL)
+    return tl.where(valid, p, 0.0)
 
 
 @triton.jit
-def _probs_t(k, q, lse, offs_n, offs_m, T, scale, CAUSAL: tl.constexpr, OPS_FP32: tl.constexpr,
-             R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr):
+def _probs_t(k, q, lse, offs_n, offs_m, T, TK, LEFT, RIGHT, keep_row, scale, CAUSAL: tl.constexpr,
+             MASK: tl.constexpr, PAD: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr,
+             R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr):
     """Pᵀ for one (keys, queries) tile: the dK/dV kernel's orientation of `_probs`."""
     qkt = dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), OPS_FP32)
     s = _round(_round(mul_rn(_round(qkt, R_QK), scale), R_QK), R_SCORES)
     pt = _round(_exp(_round(s - lse[None, :], R_P_SUB)), R_P)
-    valid = (offs_m[None, :] < T) & (offs_n[:, None] < T)
-    if CAUSAL:
-        valid = valid & (offs_m[None, :] >= offs_n[:, None])
+    if MASK:
+        real = tl.full(offs_m.shape, 1, tl.int32)
+        valid = band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, real, key_tags(keep_row, offs_n, TK, PAD))
+    else:
+        valid = (offs_m[None, :] < T) & (offs_n[:, None] < T)
+        if CAUSAL:
+            valid = valid & (offs_m[None, :] >= offs_n[:, None])
     return tl.where(valid, pt, 0.0)
 
 
 @triton.jit
-def _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
-          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, OPS_FP32: tl.constexpr,
-          R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr):
+def _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, TK, LEFT, RIGHT, keep_row, stride_kt, stride_vt,
+          qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+          PAD: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
+          R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr):
     """For the query rows `offs_m` and the key tile at `start_n`: its keys k, P (recomputed) and dP = dO Vᵀ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(K + k_off, offs_n, stride_kt, T, HEAD_DIM)
-    v = load_rows(V + v_off, offs_n, stride_vt, T, HEAD_DIM)
-    p = _probs(q, k, lse, offs_m, offs_n, T, qk_scale, CAUSAL, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
+    k = load_rows(K + k_off, offs_n, stride_kt, TK, HEAD_DIM)
+    v = load_rows(V + v_off, offs_n, stride_vt, TK, HEAD_DIM)
+    p = _probs(q, k, lse, offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, qk_scale, CAUSAL, MASK, PAD, OPS_FP32, R_QK,
+               R_SCORES, R_P_SUB, R_P)
     dp = _round(dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), OPS_FP32), R_DP)
     return k, p, dp
+
+
+@triton.jit
+def _key_range(pid_m, T, TK, LT, LEFT, RIGHT, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr):
+    """[lo, hi) of the keys a backward query tile visits, lo on a logical key tile's start: the band's (MASK), else
+    up to the diagonal (causal) or all."""
+    if MASK:
+        lo, hi = _band_tiles(pid_m * BLOCK_M, tl.minimum((pid_m + 1) * BLOCK_M, T) - 1, LT, T, TK, LEFT, RIGHT)
+    else:
+        lo = 0
+        hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
+    return lo, hi
 
 
 @triton.jit
 def attn_bwd_delta_dpp(
     Q, K, V, DO, LSE, DELTA,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, H, G, T, qk_scale, LT,
+    stride_dob, stride_doh, stride_dot, H, G, T, qk_scale, LT, KEEP, stride_keep, TK, LEFT, RIGHT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr,
     R_P: tl.constexpr, R_DP: tl.constexpr, R_DPP: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
+    MASK: tl.constexpr = False, PAD: tl.constexpr = False,
 ):
     """δ = rowsum(dP ∘ P) (the `dp_p` formula) of one query tile: P and dP recomputed over every visible key,
     summed per logical key tile and added up with the policy's rounding, as the reference does."""
@@ -328,12 +398,14 @@ def attn_bwd_delta_dpp(
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
     lse = load_lse(LSE + row_off, offs_m, T)
     delta = tl.zeros((BLOCK_M,), tl.float32)
-    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
-    for lt in range(0, hi, LT):
+    keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
+    lo, hi = _key_range(pid_m, T, TK, LT, LEFT, RIGHT, BLOCK_M, CAUSAL, MASK)
+    for lt in range(lo, hi, LT):
         part = tl.zeros((BLOCK_M,), tl.float32)
         for start_n in range(lt, tl.minimum(lt + LT, hi), BLOCK_N):
-            _, p, dp = _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
-                             BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P, R_DP)
+            _, p, dp = _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, TK, LEFT, RIGHT, keep_row, stride_kt,
+                             stride_vt, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES,
+                             R_P_SUB, R_P, R_DP)
             part += tl.sum(_round(_round(mul_rn(dp, p), R_DPP), R_TERMS), 1)
         delta = _round(delta + _round(part, R_DELTA), R_DELTA)
     tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
@@ -344,12 +416,12 @@ def attn_bwd_dq(
     Q, K, V, DO, O, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
-    H, G, T, qk_scale, scale, LT,
+    H, G, T, qk_scale, scale, LT, KEEP, stride_keep, TK, LEFT, RIGHT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, DELTA_HERE: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
-    R_DQ_PART: tl.constexpr, R_DQ: tl.constexpr,
+    R_DQ_PART: tl.constexpr, R_DQ: tl.constexpr, MASK: tl.constexpr = False, PAD: tl.constexpr = False,
 ):
     """dQ of one query tile, each logical key tile's part accumulated in fp32, then rounded and added as the reference
     does. With DELTA_HERE it first computes its rows' δ = rowsum(dO ∘ O) (each product rounded on its own) and
@@ -368,12 +440,14 @@ def attn_bwd_dq(
     q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
     lse = load_lse(LSE + row_off, offs_m, T)
     dq_run = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
-    for lt in range(0, hi, LT):
+    keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
+    lo, hi = _key_range(pid_m, T, TK, LT, LEFT, RIGHT, BLOCK_M, CAUSAL, MASK)
+    for lt in range(lo, hi, LT):
         dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         for start_n in range(lt, tl.minimum(lt + LT, hi), BLOCK_N):
-            k, p, dp = _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale,
-                             BLOCK_N, HEAD_DIM, CAUSAL, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P, R_DP)
+            k, p, dp = _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, TK, LEFT, RIGHT, keep_row, stride_kt,
+                             stride_vt, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES,
+                             R_P_SUB, R_P, R_DP)
             ds = _round(_round(mul_rn(p, _round(dp - delta[:, None], R_DS1)), R_DS2), R_DS)
             if OPS_FP32:
                 dq = dot(_round(ds, R_DS_OP), k, dq, True)
@@ -388,10 +462,12 @@ def attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, G, T, qk_scale, scale, LQ,
+    KEEP, stride_keep, TK, LEFT, RIGHT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_P_OP: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr,
     R_DS_OP: tl.constexpr, R_DV_PART: tl.constexpr, R_DV: tl.constexpr, R_DK_PART: tl.constexpr, R_DK: tl.constexpr,
+    MASK: tl.constexpr = False, PAD: tl.constexpr = False,
 ):
     """dK and dV (both with strides `stride_g*`) of one key tile: each logical query tile's part accumulated in fp32,
     then rounded and added as the reference does."""
@@ -402,21 +478,28 @@ def attn_bwd_dkdv(
     do_off = head_offset(bh, H, stride_dob, stride_doh)
     row_off = bh.to(tl.int64) * T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_rows(K + kv_head_offset(bh, H, G, stride_kb, stride_kh), offs_n, stride_kt, T, HEAD_DIM)
-    v = load_rows(V + kv_head_offset(bh, H, G, stride_vb, stride_vh), offs_n, stride_vt, T, HEAD_DIM)
+    k = load_rows(K + kv_head_offset(bh, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM)
+    v = load_rows(V + kv_head_offset(bh, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM)
     dk_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
-    lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    for lq in range((lo // LQ) * LQ, T, LQ):
+    keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
+    if MASK:  # the query tiles that see these keys (BLOCK_M-aligned)
+        lo, hi = _band_query_tiles(pid_n * BLOCK_N, tl.minimum((pid_n + 1) * BLOCK_N, TK) - 1, BLOCK_M, T, TK, LEFT,
+                                   RIGHT)
+    else:
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+        hi = T
+    for lq in range((lo // LQ) * LQ, hi, LQ):
         dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
         dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
-        for start_m in range(tl.maximum(lq, lo), tl.minimum(lq + LQ, T), BLOCK_M):
+        for start_m in range(tl.maximum(lq, lo), tl.minimum(lq + LQ, hi), BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
             do = load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
             lse = load_lse(LSE + row_off, offs_m, T)
             delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
-            pt = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, CAUSAL, OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
+            pt = _probs_t(k, q, lse, offs_n, offs_m, T, TK, LEFT, RIGHT, keep_row, qk_scale, CAUSAL, MASK, PAD,
+                          OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
             if OPS_FP32:
                 dv = dot(_round(pt, R_P_OP), do, dv, True)
             else:
@@ -430,5 +513,5 @@ def attn_bwd_dkdv(
         dv_run = _round(dv_run + _round(dv, R_DV_PART), R_DV)
         dk_run = _round(dk_run + _round(mul_rn(_round(dk, R_DK_PART), scale), R_DK_PART), R_DK)
     out = head_offset(bh, H, stride_gb, stride_gh)
-    store_rows(DK + out, dk_run, offs_n, stride_gt, T, HEAD_DIM)
-    store_rows(DV + out, dv_run, offs_n, stride_gt, T, HEAD_DIM)
+    store_rows(DK + out, dk_run, offs_n, stride_gt, TK, HEAD_DIM)
+    store_rows(DV + out, dv_run, offs_n, stride_gt, TK, HEAD_DIM)

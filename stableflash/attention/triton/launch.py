@@ -229,11 +229,18 @@ def _band_args(band: Band | None, T: int, TK: int, placeholder: torch.Tensor) ->
     return band.keep, 0 if band.packed else band.keep.stride(0), TK, band.left, band.right
 
 
-def _band_meta(band: Band | None) -> dict:
-    """The masked form's compile-time switches (absent without a band: the plain kernels' picks keep their keys)."""
+def _band_meta(band: Band | None, native: bool = True) -> dict:
+    """The masked form's compile-time switches (absent without a band: the plain kernels' picks keep their keys);
+    the emulation kernels take no packed sequences (`SEG`)."""
     if band is None:
         return {}
-    return {"CAUSAL": False, "MASK": True, "PAD": band.keep is not None, "SEG": band.packed}
+    meta = {"CAUSAL": False, "MASK": True, "PAD": band.keep is not None}
+    return {**meta, "SEG": band.packed} if native else meta
+
+
+def _check_band(band: Band | None, spec: KernelSpec) -> None:
+    if band is not None and band.packed and not spec.native:
+        raise ValueError(f"the fused kernels run packed sequences only under production FA2 numerics, not {spec.name!r}")
 
 
 def _plan_key(traced: bool, static: tuple, band: Band | None, *tensors) -> tuple | None:
@@ -335,18 +342,19 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     eps = spec.eps if spec.stab == 1 else stats_eps * spec.units
     G = H // k.shape[1]  # query heads per key/value head (grouped-query attention)
     tensors = (q, k, v, out, lse, counts, smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
-    if band is not None and not spec.native:
-        raise ValueError(f"the fused kernels mask only production FA2 numerics, not {name!r}")
+    _check_band(band, spec)
     key = _plan_key(traced, ("forward", name, causal, stats), band, q, k, v, counts, smax)
     plan = PLANS.get(key) if key is not None else None
     if plan is not None:
         branch, tile = plan.branch, None
+    elif band is not None:  # the Gluon forward takes no mask
+        branch, tile = ("native" if spec.native else "emulation"), None
     else:
-        branch, tile = ("native", None) if band is not None else _forward_branch(spec, q, k, v, stats, traced)
+        branch, tile = _forward_branch(spec, q, k, v, stats, traced)
     if branch == "emulation":
         seed = draw_seed() if spec.stochastic else 0  # where the reference draws it: the same bits
         args = (*tensors[:4], o_saved if spec.save_fp32_o else out, *tensors[4:], H, G, T, scale * spec.units, eps,
-                spec.logical_n, seed)
+                spec.logical_n, seed, *_band_args(band, T, k.shape[-2], lse), spec.logical_m)
     elif branch == "hopper":
         args = (*tensors, H, T, scale * spec.units, eps)
     else:
@@ -359,7 +367,8 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     if branch == "emulation":
         scratch = False
         bound = _run(emulation.attn_fwd, lambda m: (_ceil_div(T, m["BLOCK_M"]), B * H), args,
-                     {**spec.forward_constants, **launch}, emulation_config(spec.ops_fp32, D), traced)
+                     {**spec.forward_constants, **launch, **_band_meta(band, native=False)},
+                     emulation_config(spec.ops_fp32, D), traced)
     elif branch == "hopper":
         scratch = True
         _allow_device_descriptors()
@@ -389,8 +398,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     in its programs (`GROUP`), as flash-attn does; the emulation kernel writes one query head's share per program
     into (B, H, Tk, D) buffers, summed over each group here (the reference's order: each head's rounded share)."""
     spec = spec_named(name)
-    if band is not None and not spec.native:
-        raise ValueError(f"the fused kernels mask only production FA2 numerics, not {name!r}")
+    _check_band(band, spec)
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
     G, TK = H // k.shape[1], k.shape[-2]
@@ -407,19 +415,19 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, G, T,
                scale * spec.units, scale)
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, G, T, scale * spec.units, scale)
+    masking = _band_args(band, T, TK, lse)
     if spec.native:
-        masking = _band_args(band, T, TK, lse)
         launch_args = ((*dq_args, *masking), (*dkdv_args, *masking))
     else:
         delta_pass = () if spec.delta_constants is None else (
-            (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n),)
-        launch_args = (*delta_pass, (*dq_args, spec.logical_n), (*dkdv_args, spec.logical_m))
+            (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n, *masking),)
+        launch_args = (*delta_pass, (*dq_args, spec.logical_n, *masking), (*dkdv_args, spec.logical_m, *masking))
     key = _plan_key(traced, ("backward", name, causal), band, dout, q, k, v, o_saved, lse)
     plan = PLANS.get(key) if key is not None else None
     if plan is not None:
         _launch_planned(plan, launch_args)
     else:
-        launch = {"HEAD_DIM": D, "CAUSAL": causal, **_band_meta(band)}
+        launch = {"HEAD_DIM": D, "CAUSAL": causal, **_band_meta(band, spec.native)}
 
         def rows(m):
             return _ceil_div(T, m["BLOCK_M"]), B * H
