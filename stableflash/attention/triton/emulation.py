@@ -5,6 +5,7 @@ a format, fp32 to e8m3, and a mode, nearest-even or toward zero), and the policy
 forward, LQ queries or LT keys in the backward) are built from physical tiles of `spec.PHYSICAL_TILE`. The forward
 makes two or three passes over each logical tile: its maximum, its near-maximum count (only for SFA or the
 statistics), then P̄ and P̄V.
+
 With `MASK`, TK keys against T queries in a band (causal aligned to the bottom right, a window: `LEFT`, `RIGHT`) and,
 with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), as the native kernels take them: the forward visits the
 logical key tiles the reference visits for the logical query tile its rows are in (`Visibility.skips`: a visit
@@ -171,13 +172,13 @@ def _band_query_tiles(first, last, TILE, T, TK, LEFT, RIGHT):
 @triton.jit
 def _visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, CAUSAL: tl.constexpr, MASK: tl.constexpr,
              PAD: tl.constexpr):
-    """(queries, keys) pairs shown: in the band and not padding (MASK), else keys inside T and, when causal, at or
-    below the diagonal."""
+    """(queries, keys) pairs shown: in the band and not padding (MASK), else keys inside TK (= T) and, when causal,
+    at or below the diagonal."""
     if MASK:
         real = tl.full(offs_m.shape, 1, tl.int32)  # a query's tag: a real key's
         valid = band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, real, key_tags(keep_row, offs_n, TK, PAD))
     else:
-        valid = offs_n[None, :] < T
+        valid = offs_n[None, :] < TK
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= offs_n[None, :])
     return valid
