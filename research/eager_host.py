@@ -84,6 +84,65 @@ def trace_steps(shape, steps: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
 
 
+def section_steps(shape, steps: int) -> None:
+    """Host µs per synced call spent in each part of this tree's eager path (wrapped with timers, ~1 µs each; the
+    parts a tree lacks are left out): which part a slower host path loses its time in."""
+    import importlib
+
+    parts = {}
+
+    def timed(owner, name, label):
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+        parts[label] = []
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts[label].append(time.perf_counter() - start)
+        setattr(owner, name, wrapper)
+
+    for module, names in (("stableflash.attention.api", ["flash_attention"]),
+                          ("stableflash.attention.triton", ["attention"]),
+                          ("stableflash.attention.triton.launch", ["forward", "backward", "_launch_planned",
+                                                                  "empty_in_layout_of", "_plan_key"]),
+                          ("stableflash.attention.triton.ops", [])):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in names:
+            timed(mod, name, f"{module.rsplit('.', 1)[-1]}.{name}")
+    import stableflash.attention.api as api
+    ops = importlib.import_module("stableflash.attention.triton.ops")
+    if hasattr(ops, "FlashAttention"):
+        timed(ops.FlashAttention, "backward", "FlashAttention.backward")
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    fn = lambda q, k, v: api.flash_attention(q, k, v, backend="triton")  # noqa: E731
+    whole = {"forward call": [], "backward call": []}
+    for i in range(20 + steps):
+        if i == 20:
+            for times in (*parts.values(), *whole.values()):
+                times.clear()
+        q.grad = k.grad = v.grad = None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn(q, k, v)
+        whole["forward call"].append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out.backward(dout)
+        whole["backward call"].append(time.perf_counter() - start)
+    for label, times in (*whole.items(), *parts.items()):
+        if times:
+            per_call = sum(times) / steps * 1e6
+            print(f"{label:<32} {per_call:8.1f} us per step  ({len(times) / steps:.0f} calls)", flush=True)
+
+
 def profile_steps(shape, steps: int) -> None:
     """Where the host's time goes in the steady state: the queue runs ahead, as in the eager benchmark."""
     import cProfile
@@ -121,10 +180,15 @@ def main():
                         help="instead: cProfile this many back-to-back fa2 steps (no sync between them), print the top")
     parser.add_argument("--trace", type=int, default=0, metavar="STEPS",
                         help="instead: each call's forward and backward host time apart, and torch.profiler's table")
+    parser.add_argument("--sections", type=int, default=0, metavar="STEPS",
+                        help="instead: host µs per synced fa2 step in each part of the eager path")
     args = parser.parse_args()
     shape = tuple(int(x) for x in args.shape.split(","))
     if args.trace:
         trace_steps(shape, args.trace)
+        return
+    if args.sections:
+        section_steps(shape, args.sections)
         return
     if args.profile:
         profile_steps(shape, args.profile)
