@@ -327,7 +327,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     `stats`, per head: rows with a repeated maximum, P̄ = 1 entries and rows seen, and the largest score, added to
     `stat_targets` = (counts, max) where given (`AttentionStats.kernel_targets`: the running totals themselves),
     else to fresh zeros and -inf; without `stats` both are empty. A `band` (`band_of`: Tk != Tq, a window, key
-    padding) runs the native kernels' masked form; only native specs take one."""
+    padding, packed sequences) runs the kernels' masked form; packed sequences only native specs'."""
     spec = spec_named(name)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
