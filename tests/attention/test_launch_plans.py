@@ -123,22 +123,25 @@ class TracedLaunch:
         return launch_
 
 
-@pytest.mark.parametrize("picked", [True, False], ids=["picked tile", "autotuned"])
+@pytest.mark.parametrize("preset, picked", [("fa2", True), ("fa2", False), ("paper", True)],
+                         ids=["fa2, picked tile", "fa2, autotuned", "paper (emulation)"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("kv_heads", [3, 1])
-def test_traced_launches_pass_every_parameter(monkeypatch, picked, masked, kv_heads):
+def test_traced_launches_pass_every_parameter(monkeypatch, preset, picked, masked, kv_heads):
     log = []
     monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(launch, "wrap_triton", lambda kernel: TracedLaunch(kernel, log))
     tile = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "TMA": False}, num_warps=4, num_stages=2)
     monkeypatch.setattr(TILE_PICKS, "get", lambda key: tile if picked else None)
-    name = spec_name(resolve("fa2"), None, torch.bfloat16, 64, 77)
+    name = spec_name(resolve(preset), None, torch.bfloat16, 64, 77)
     q, k, v, dout = _inputs(0)
     k, v = k[:, :kv_heads], v[:, :kv_heads]
-    band = launch.band_of(q, k, True, (9, 0), None) if masked else None
-    out, _, lse, _, _ = launch.forward(q, k, v, True, 0.125, name, True, 1e-3, traced=True, band=band)
-    launch.backward(dout, q, k, v, out, lse, True, 0.125, name, traced=True, band=band)
-    assert log == ["attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"]
+    keep = torch.ones(q.shape[0], k.shape[-2], dtype=torch.bool)
+    band = launch.band_of(q, k, True, (9, 0), keep) if masked else None
+    out, o_saved, lse, _, _ = launch.forward(q, k, v, True, 0.125, name, True, 1e-3, traced=True, band=band)
+    launch.backward(dout, q, k, v, o_saved if o_saved.numel() else out, lse, True, 0.125, name, traced=True,
+                    band=band)
+    assert log[0] == "attn_fwd" and log[-2:] == ["attn_bwd_dq", "attn_bwd_dkdv"]
 
 
 def test_a_planned_call_asks_for_the_stream_once(stand_ins, monkeypatch):
