@@ -166,6 +166,20 @@ def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
             f"--experiments all --layer {layer} --jobs 5 --out {out / 'isolate'}"]
 
 
+def delta_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
+    """Per arm, for its first seed's run: the signed cumulative δ error at the layer whose W_Q head grew most (the
+    sign of predictions 3 and 5), from its latest checkpoint, or the one before it where the run diverged."""
+    commands = []
+    for arm, runs in arms.items():
+        first = min(runs, key=lambda r: r["run"])
+        run = out / "runs" / first["run"]
+        checkpoint = run / ("checkpoint-previous.pt" if first["first_divergence"] is not None else "checkpoint.pt")
+        layer = first["wq_growth"]["layer"] if first["wq_growth"] else 0
+        commands.append(f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {checkpoint} "
+                        f"--replay {run} --steps 50 --layer {layer} --out {out / 'delta' / arm}")
+    return commands
+
+
 def summarise(args) -> None:
     arms: dict[str, list[dict]] = {}
     for folder in sorted((args.out / "runs").iterdir()):
@@ -174,7 +188,8 @@ def summarise(args) -> None:
     (args.out / "arms").mkdir(exist_ok=True)
     for arm, runs in arms.items():
         (args.out / "arms" / f"{arm}.json").write_text(json.dumps(runs))
-    result = verdict(arms) | {"diagnosis": diagnosis_commands(args.out, arms)}
+    result = verdict(arms) | {"diagnosis": diagnosis_commands(args.out, arms),
+                              "delta_per_arm": delta_commands(args.out, arms)}
     (args.out / "verdict.json").write_text(json.dumps(result, indent=2))
     print(f"{'arm':<12}{'seeds':>6}{'steps':>16}{'diverged at':>24}{'best loss':>22}")
     for arm, runs in arms.items():

@@ -132,6 +132,18 @@ def test_dose_response_points_the_diagnosis_at_the_first_divergence(tmp_path):
     assert diagnosis_commands(tmp_path, {"fp32": [{"run": "fp32-s0", "first_divergence": 5, "wq_growth": None}]}) == []
 
 
+def test_dose_response_measures_delta_in_every_arm_before_any_divergence(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dose_response import delta_commands
+
+    arms = {"e8m3": [{"run": "e8m3-s1", "first_divergence": None, "wq_growth": None},
+                     {"run": "e8m3-s0", "first_divergence": 400, "wq_growth": {"layer": 1}}],
+            "fp32": [{"run": "fp32-s0", "first_divergence": None, "wq_growth": {"layer": 4}}]}
+    e8m3, fp32 = delta_commands(tmp_path, arms)
+    assert "e8m3-s0/checkpoint-previous.pt" in e8m3 and "--layer 1" in e8m3 and str(tmp_path / "delta" / "e8m3") in e8m3
+    assert "fp32-s0/checkpoint.pt" in fp32 and "--layer 4" in fp32
+
+
 def test_dose_response_verdict_counts_a_run_stopped_short_as_not_holding():
     sys.path.insert(0, str(ROOT / "scripts"))
     from dose_response import SHORTEST_HOLD, verdict
