@@ -53,9 +53,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            deterministic: bool = False, return_attn_probs: bool = False, *, precision="fa2",
                            stabilize=None, stats=None, backend: str = "auto") -> torch.Tensor:
     """Packed variable-length sequences: q (total_q, H, D), k and v (total_k, H_kv, D), sequence s being rows
-    cu_seqlens_q[s]:cu_seqlens_q[s+1] of q (and likewise of k). Each sequence attends only to its own keys. Packed
-    self-attention (the same offsets for q and k) runs in one call of the fused kernels where they take the policy;
-    anything else as one call per sequence."""
+    cu_seqlens_q[s]:cu_seqlens_q[s+1] of q (and likewise of k). Each sequence attends only to its own keys, causal
+    aligned to its own bottom right. The batch runs in one call of the fused kernels where they take it (production
+    FA2 numerics); under other policies as one call per sequence."""
     _refuse_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -66,8 +66,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         raise ValueError(f"cu_seqlens_k: {len(ks) - 1} sequences where cu_seqlens_q has {len(qs) - 1}")
     if max(b - a for a, b in zip(qs, qs[1:])) > max_seqlen_q or max(b - a for a, b in zip(ks, ks[1:])) > max_seqlen_k:
         raise ValueError("max_seqlen_q, max_seqlen_k: smaller than the longest sequence")
-    if qs == ks and backend in ("auto", "triton") and _kernels_take_packed(q, k, precision, stabilize):
-        return _packed_in_the_kernels(q, k, v, qs, softmax_scale, causal, window_size, precision, stabilize, stats)
+    if backend in ("auto", "triton") and _kernels_take_packed(q, k, precision, stabilize):
+        return _packed_in_the_kernels(q, k, v, qs, ks, softmax_scale, causal, window_size, precision, stabilize,
+                                      stats)
     outs = []  # elsewhere: one call per sequence
     for (q0, q1), (k0, k1) in zip(zip(qs, qs[1:]), zip(ks, ks[1:])):
         if q1 == q0:
@@ -82,7 +83,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 
 
 def _kernels_take_packed(q, k, precision, stabilize) -> bool:
-    """Whether the fused kernels run this packed self-attention batch in one call (their masked form, under
+    """Whether the fused kernels run this packed batch in one call (their masked form, under
     production FA2 numerics; emulated policies run per sequence): the sequences then never leave the packed
     tensors."""
     if not triton_available(q) or q.shape[1] % k.shape[1]:
@@ -91,7 +92,7 @@ def _kernels_take_packed(q, k, precision, stabilize) -> bool:
     return kernels.supports_masks(resolve(precision), check_stabilize(stabilize), q.dtype, q.shape[-1], packed=True)
 
 
-def _packed_in_the_kernels(q, k, v, offsets, scale, causal, window_size, precision, stabilize, stats):
+def _packed_in_the_kernels(q, k, v, q_offsets, k_offsets, scale, causal, window_size, precision, stabilize, stats):
     from stableflash.attention import triton as kernels
     from stableflash.attention.triton.launch import packed_segments
 
@@ -100,5 +101,5 @@ def _packed_in_the_kernels(q, k, v, offsets, scale, causal, window_size, precisi
     heads = [t.transpose(0, 1)[None] for t in (q, k, v)]  # (1, H, total, D) views of the packed rows
     out = kernels.attention(*heads, causal=causal, scale=scale if scale is not None else q.shape[-1] ** -0.5,
                             policy=resolve(precision), stabilize=check_stabilize(stabilize), stats=stats,
-                            window=tuple(window_size), segments=packed_segments(offsets, q.device))
+                            window=tuple(window_size), segments=packed_segments(q_offsets, k_offsets, q.device))
     return out[0].transpose(0, 1)

@@ -303,24 +303,31 @@ def test_masked_calls_under_emulated_policies_match_the_reference(case, precisio
     assert torch.allclose(stats.max_score.cpu(), ref_stats.max_score.cpu(), rtol=1e-5), f"seed {seed}"
 
 
+PACKED_LENGTHS = {  # queries and keys per sequence: odd lengths, one of 1; then other key lengths, none, no queries
+    "self-attention": ([30, 1, 77, 13], [30, 1, 77, 13]),
+    "other key lengths": ([30, 1, 77, 13, 0], [45, 3, 50, 0, 7]),
+}
+
+
+@pytest.mark.parametrize("lengths", list(PACKED_LENGTHS))
 @pytest.mark.parametrize("causal, window", [(True, None), (True, (9, 0)), (False, (6, 4))])
-def test_packed_sequences_run_in_one_kernel_call(causal, window, monkeypatch):
-    """flash_attn_varlen_func's packed batch (odd lengths, one of 1) in one masked call of the kernels, GQA: outputs
-    and gradients within twice the per-sequence reference's error against fp64."""
+def test_packed_sequences_run_in_one_kernel_call(causal, window, lengths, monkeypatch):
+    """flash_attn_varlen_func's packed batch in one masked call of the kernels, GQA, each sequence causal to its own
+    bottom right: outputs and gradients within twice the per-sequence reference's error against fp64."""
     from stableflash.attention import triton as backend
     from stableflash.attention.flash_attn import flash_attn_varlen_func
     from stableflash.attention.triton import launch
 
-    lengths = [30, 1, 77, 13]
-    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    total, H, D = offsets[-1], 4, 16 if INTERPRET else 64
+    q_offsets, k_offsets = ([0, *torch.tensor(n).cumsum(0).tolist()] for n in PACKED_LENGTHS[lengths])
+    H, D = 4, 16 if INTERPRET else 64
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(total, H, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
-    k, v = (torch.randn(total, 2, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_() for _ in range(2))
-    dout = torch.randn(total, H, D, generator=g).to(torch.bfloat16).to(DEVICE)
-    cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(q_offsets[-1], H, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(k_offsets[-1], 2, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(q_offsets[-1], H, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=DEVICE) for o in (q_offsets, k_offsets))
     window = window or (-1, -1)
     forwards = []
     forward = launch.forward
@@ -330,12 +337,12 @@ def test_packed_sequences_run_in_one_kernel_call(causal, window, monkeypatch):
         if INTERPRET:  # the public function takes the kernels on CUDA only: the backend as it calls it
             heads = [t.transpose(0, 1)[None] for t in (q, k, v)]
             out = backend.attention(*heads, causal=causal, scale=D**-0.5, policy=resolve("fa2"), window=window,
-                                    segments=launch.packed_segments(offsets, q.device))
+                                    segments=launch.packed_segments(q_offsets, k_offsets, q.device))
             return out[0].transpose(0, 1)
-        return flash_attn_varlen_func(q, k, v, cu, cu, 77, 77, causal=causal, window_size=window)
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 77, 77, causal=causal, window_size=window)
 
     def per_sequence(precision, backend_name):
-        return lambda q, k, v: flash_attn_varlen_func(q, k, v, cu.to(q.device), cu.to(q.device), 77, 77,
+        return lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_q.to(q.device), cu_k.to(q.device), 77, 77,
                                                       causal=causal, window_size=window, precision=precision,
                                                       backend=backend_name)
 
@@ -345,7 +352,10 @@ def test_packed_sequences_run_in_one_kernel_call(causal, window, monkeypatch):
     leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     exact = _run(per_sequence("fp64", "reference"), *leaves, dout.cpu().double())
     for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+        assert torch.isfinite(a).all(), (name, f"seed {seed}")
         _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
+    empty = (exact[0] == 0).all(-1)  # queries that see no key (a sequence without keys, causal ones): O = 0
+    assert (ours[0].cpu()[empty] == 0).all(), f"seed {seed}"
 
 
 @pytest.mark.parametrize("path", ["traced", "opaque"])

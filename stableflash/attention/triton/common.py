@@ -101,10 +101,17 @@ def store_rows(ptr, x, offs, stride_t, T, HEAD_DIM: tl.constexpr):
     tl.store(ptrs, cast(x, ptr.dtype.element_ty), mask=offs[:, None] < T)
 
 
+# A packed batch's sequences (SEG) reach the kernels as one (4, T + TK) int32 table, row stride `stride_keep`:
+# columns 0..T-1 the queries, T..T+TK-1 the keys; rows: the sequence's index, the other side's first position in
+# it, the other side's end, and the sequence's shift (its keys' end minus its queries' end: causal alignment to each
+# sequence's bottom right).
+
+
 @triton.jit
 def key_tags(KEEP_ROW, offs_n, TK, PAD: tl.constexpr):
-    """Each key's tag: its byte of the key-padding row (1 = a real key) or its sequence's index in a packed batch
-    (PAD), else 1. A query sees a key only where their tags agree (`query_tags`)."""
+    """Each key's tag: its byte of the key-padding row (1 = a real key) or, from its column of a packed batch's
+    table (KEEP_ROW there points at the keys' columns), its sequence's index (PAD), else 1. A query sees a key only
+    where their tags agree (`query_tags`)."""
     if PAD:
         tags = tl.load(KEEP_ROW + offs_n, mask=offs_n < TK, other=0).to(tl.int32)
     else:
@@ -113,40 +120,60 @@ def key_tags(KEEP_ROW, offs_n, TK, PAD: tl.constexpr):
 
 
 @triton.jit
-def query_tags(KEEP_ROW, offs_m, T, SEG: tl.constexpr):
-    """Each query's tag: its sequence's index in a packed batch (SEG), else 1 (padding: a real key's tag)."""
+def query_tags(KEEP_ROW, stride, offs_m, T, TK, SEG: tl.constexpr):
+    """(tags, aligned) of each query: its tag, its sequence's index in a packed batch (SEG) or 1 (padding: a real
+    key's tag), and its position in the keys' frame, i + TK - T, or in a packed batch i plus its sequence's shift."""
     if SEG:
-        tags = tl.load(KEEP_ROW + offs_m, mask=offs_m < T, other=-1)
+        ok = offs_m < T
+        tags = tl.load(KEEP_ROW + offs_m, mask=ok, other=-1)
+        aligned = offs_m + tl.load(KEEP_ROW + 3 * stride + offs_m, mask=ok, other=0)
     else:
         tags = tl.full(offs_m.shape, 1, tl.int32)
-    return tags
+        aligned = offs_m + (TK - T)
+    return tags, aligned
 
 
 @triton.jit
-def segment_range(SEGS, start, BLOCK: tl.constexpr, T, lo, hi, SEG: tl.constexpr):
-    """[lo, hi) narrowed to the positions of the packed sequences that a tile's positions start.. belong to (SEG:
-    SEGS holds each position's sequence index, first position and end, (3, T) int32; queries and keys are the same
-    positions in a packed batch). lo is not rounded to a tile."""
-    if SEG:
-        last = tl.minimum(start + BLOCK, T) - 1
-        lo = tl.maximum(lo, tl.load(SEGS + T + start))
-        hi = tl.minimum(hi, tl.load(SEGS + 2 * T + last))
-    return lo, hi
+def packed_keys(KEEP_ROW, stride, offs_m, T, aligned, LEFT, RIGHT):
+    """[lo, hi) of the keys that queries offs_m of a packed batch see: each in its sequence's keys, within the band
+    from its aligned position (`query_tags`); lo > hi where none sees a key. lo is not rounded to a tile."""
+    ok = offs_m < T
+    start = tl.load(KEEP_ROW + stride + offs_m, mask=ok, other=0)
+    end = tl.load(KEEP_ROW + 2 * stride + offs_m, mask=ok, other=0)
+    lo = tl.where(LEFT >= 0, tl.maximum(start, aligned - LEFT), start)
+    hi = tl.where(RIGHT >= 0, tl.minimum(end, aligned + RIGHT + 1), end)
+    seen = ok & (lo < hi)
+    return tl.min(tl.where(seen, lo, 2147483647), 0), tl.max(tl.where(seen, hi, 0), 0)
 
 
 @triton.jit
-def band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, qtags, ktags):
-    """(queries, keys) pairs a masked call shows: query i of T and key j of TK at distance d = j - (i + TK - T),
-    inside both lengths, with -LEFT <= d <= RIGHT (-1: unbounded; causal is RIGHT = 0), their tags agreeing."""
-    d = offs_n[None, :] - (offs_m[:, None] + (TK - T))
+def packed_queries(KEY_ROW, stride, offs_n, TK, LEFT, RIGHT):
+    """[lo, hi) of the queries that see keys offs_n of a packed batch (KEY_ROW: the table at the keys' columns):
+    query i sees key j of its sequence where -LEFT <= j - (i + shift) <= RIGHT; lo > hi where none does."""
+    ok = offs_n < TK
+    start = tl.load(KEY_ROW + stride + offs_n, mask=ok, other=0)
+    end = tl.load(KEY_ROW + 2 * stride + offs_n, mask=ok, other=0)
+    shifted = offs_n - tl.load(KEY_ROW + 3 * stride + offs_n, mask=ok, other=0)
+    lo = tl.where(RIGHT >= 0, tl.maximum(start, shifted - RIGHT), start)
+    hi = tl.where(LEFT >= 0, tl.minimum(end, shifted + LEFT + 1), end)
+    seen = ok & (lo < hi)
+    return tl.min(tl.where(seen, lo, 2147483647), 0), tl.max(tl.where(seen, hi, 0), 0)
+
+
+@triton.jit
+def band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, qtags, ktags, aligned):
+    """(queries, keys) pairs a masked call shows: query i of T and key j of TK at distance d = j - aligned_i
+    (`query_tags`: i + TK - T, causal alignment to the bottom right), inside both lengths, with -LEFT <= d <= RIGHT
+    (-1: unbounded; causal is RIGHT = 0), their tags agreeing."""
+    d = offs_n[None, :] - aligned[:, None]
     band = ((LEFT < 0) | (d >= -LEFT)) & ((RIGHT < 0) | (d <= RIGHT))
     return band & (offs_m[:, None] < T) & (offs_n[None, :] < TK) & (qtags[:, None] == ktags[None, :])
 
 
 @triton.jit
-def band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, qtags, ktags):
+def band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, qtags, ktags, aligned):
     """`band_visible` as (keys, queries), the dK/dV kernel's orientation."""
-    d = offs_n[:, None] - (offs_m[None, :] + (TK - T))
+    d = offs_n[:, None] - aligned[None, :]
     band = ((LEFT < 0) | (d >= -LEFT)) & ((RIGHT < 0) | (d <= RIGHT))
     return band & (offs_m[None, :] < T) & (offs_n[:, None] < TK) & (ktags[:, None] == qtags[None, :])
 

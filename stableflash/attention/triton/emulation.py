@@ -176,7 +176,8 @@ def _visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, CAUSAL: tl.constexpr,
     at or below the diagonal."""
     if MASK:
         real = tl.full(offs_m.shape, 1, tl.int32)  # a query's tag: a real key's
-        valid = band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, real, key_tags(keep_row, offs_n, TK, PAD))
+        valid = band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, real, key_tags(keep_row, offs_n, TK, PAD),
+                             offs_m + (TK - T))
     else:
         valid = offs_n[None, :] < TK
         if CAUSAL:
@@ -345,7 +346,8 @@ def _probs_t(k, q, lse, offs_n, offs_m, T, TK, LEFT, RIGHT, keep_row, scale, CAU
     pt = _round(_exp(_round(s - lse[None, :], R_P_SUB)), R_P)
     if MASK:
         real = tl.full(offs_m.shape, 1, tl.int32)
-        valid = band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, real, key_tags(keep_row, offs_n, TK, PAD))
+        valid = band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, real, key_tags(keep_row, offs_n, TK, PAD),
+                               offs_m + (TK - T))
     else:
         valid = (offs_m[None, :] < T) & (offs_n[:, None] < T)
         if CAUSAL:

@@ -185,22 +185,26 @@ def fresh_stat_targets(num_heads: int, device) -> tuple[torch.Tensor, torch.Tens
 
 
 class Band(NamedTuple):
-    """A masked call's visibility as the native kernels take it (`native.py`, `MASK`): the band's bounds on the
-    distance d = j - (i + Tk - Tq) (-1: unbounded; causal folded into `right`), and `keep`: the key-padding bytes
-    (B, Tk), or with `packed` the sequences of a packed batch (`packed_segments`)."""
+    """A masked call's visibility as the kernels take it (`native.py`, `MASK`): the band's bounds on the distance
+    d = j - (i + Tk - Tq) (per sequence in a packed batch; -1: unbounded; causal folded into `right`), and `keep`: the
+    key-padding bytes (B, Tk), or with `packed` the table of a packed batch's sequences (`packed_segments`)."""
     left: int
     right: int
     keep: torch.Tensor | None
     packed: bool = False
 
 
-def packed_segments(offsets: list[int], device) -> torch.Tensor:
-    """(3, total) int32 for a packed batch with sequence s at positions offsets[s]:offsets[s+1]: each position's
-    sequence, that sequence's first position and its end."""
-    lengths = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], device=device)
-    starts, ends = torch.tensor(offsets[:-1], device=device), torch.tensor(offsets[1:], device=device)
-    index = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    return torch.stack([index, starts[index], ends[index]]).to(torch.int32).contiguous()
+def packed_segments(q_offsets: list[int], k_offsets: list[int], device) -> torch.Tensor:
+    """The (4, Tq + Tk) int32 table of a packed batch (`common.py`) whose sequence s holds queries
+    q_offsets[s]:q_offsets[s+1] and keys k_offsets[s]:k_offsets[s+1]: for each query, then each key, its sequence,
+    the other side's first position and end in that sequence, and the sequence's shift (keys' end - queries' end)."""
+    qo, ko = torch.tensor(q_offsets), torch.tensor(k_offsets)
+    sequences = torch.arange(len(q_offsets) - 1)
+    shift = ko[1:] - qo[1:]
+    q_seq, k_seq = (torch.repeat_interleave(sequences, o.diff()) for o in (qo, ko))
+    queries = torch.stack([q_seq, ko[:-1][q_seq], ko[1:][q_seq], shift[q_seq]])
+    keys = torch.stack([k_seq, qo[:-1][k_seq], qo[1:][k_seq], shift[k_seq]])
+    return torch.cat([queries, keys], dim=1).to(device=device, dtype=torch.int32).contiguous()
 
 
 def band_of(q, k, causal: bool, window: tuple[int, int], keep: torch.Tensor | None,
@@ -226,7 +230,7 @@ def _band_args(band: Band | None, T: int, TK: int, placeholder: torch.Tensor) ->
         return placeholder, 0, T, -1, -1
     if band.keep is None:
         return placeholder, 0, TK, band.left, band.right
-    return band.keep, 0 if band.packed else band.keep.stride(0), TK, band.left, band.right
+    return band.keep, band.keep.stride(0), TK, band.left, band.right  # packed: the table's row stride
 
 
 def _band_meta(band: Band | None, native: bool = True) -> dict:

@@ -8,9 +8,10 @@ Compile-time features, none paid for when off: `STAB` 0 plain, 1 SFA (the seed's
 or not), 2 ClampPbar; `STATS` adds the per-head counters of `AttentionStats`; `TMA` streams key tiles (forward, dQ)
 or query tiles (dK/dV) by tensor descriptors, which the autotuner may choose at D >= 128 (`tuning`); `MASK` takes
 TK keys against T queries with a band (causal aligned to the bottom right, a sliding window: `LEFT`, `RIGHT`) and,
-with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), or with `PAD` and `SEG` a packed batch of sequences (`KEEP`,
-(3, T) int32: each position's sequence, its first position and its end): every tile it visits is masked, and only
-tiles the band and the sequences reach are visited.
+with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), or with `PAD` and `SEG` a packed batch of sequences whose
+queries and keys may differ in length (`KEEP`, the (4, T + TK) int32 table `common.py` describes; the band aligned
+to each sequence's bottom right): every tile it visits is masked, and only tiles the band and the sequences reach
+are visited.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from stableflash.attention.triton.common import (
     load_lse,
     load_rows,
     mul_rn,
+    packed_keys,
+    packed_queries,
     query_tags,
     query_tile_program,
-    segment_range,
     sfa_max,
     shift,
     store_rows,
@@ -75,7 +77,7 @@ def _tile_rows(X, x_off, start, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.co
 
 @triton.jit
 def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-              smax, eps, TQ, LEFT, RIGHT, keep_row, qtags, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+              smax, eps, TQ, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
               CAUSAL: tl.constexpr, MASKED: tl.constexpr, STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr,
               LOW: tl.constexpr, HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TMA: tl.constexpr,
               MASK: tl.constexpr, PAD: tl.constexpr):
@@ -94,8 +96,8 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
             kt = tl.load(kt_ptrs)
     s = mul_rn(dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), False), scale)
     if MASK:
-        s = tl.where(band_visible(offs_m, offs_n, TQ, T, LEFT, RIGHT, qtags, key_tags(keep_row, offs_n, T, PAD)), s,
-                     float("-inf"))
+        s = tl.where(band_visible(offs_m, offs_n, TQ, T, LEFT, RIGHT, qtags, key_tags(key_row, offs_n, T, PAD),
+                                  aligned), s, float("-inf"))
     elif MASKED:  # the diagonal (causal) or the ragged end: the only tiles that need a mask
         valid = offs_n[None, :] < T
         if CAUSAL:
@@ -170,15 +172,18 @@ def attn_fwd(
     KS = _head_rows(K, k_off, stride_kt, TK, BLOCK_N, HEAD_DIM, TMA)
     VS = _head_rows(V, v_off, stride_vt, TK, BLOCK_N, HEAD_DIM, TMA)
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
-    qtags = query_tags(keep_row, offs_m, T, SEG)
+    key_row = keep_row + T if SEG else keep_row  # a packed batch's table: the keys' columns follow the queries'
+    qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
     if MASK:  # every tile the band (and, packed, the rows' sequences) reaches, each masked
-        lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
-        lo, hi = segment_range(KEEP, pid_m * BLOCK_M, BLOCK_M, T, lo, hi, SEG)
+        if SEG:
+            lo, hi = packed_keys(keep_row, stride_keep, offs_m, T, aligned, LEFT, RIGHT)
+        else:
+            lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
         for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps, T, LEFT, RIGHT, keep_row, qtags, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA, LOW,
-                HIGH, BOUNDED, CLAMP_CEIL, TMA, True, PAD)
+                smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA,
+                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, True, PAD)
     else:
         # key tiles left of the diagonal (causal) or before the ragged end need no mask
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
@@ -186,13 +191,13 @@ def attn_fwd(
         for start_n in range(0, free, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps, T, LEFT, RIGHT, keep_row, qtags, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA, LOW,
-                HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
+                smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA,
+                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps, T, LEFT, RIGHT, keep_row, qtags, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA, LOW,
-                HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
+                smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA,
+                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
 
     empty = m == float("-inf")  # rows that see no key: O = 0, lse = -inf
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
@@ -207,27 +212,27 @@ def attn_fwd(
 # -- backward --------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _probs(q, k, lse, offs_m, offs_n, T, scale, TK, LEFT, RIGHT, qtags, ktags, CAUSAL: tl.constexpr,
+def _probs(q, k, lse, offs_m, offs_n, T, scale, TK, LEFT, RIGHT, qtags, ktags, aligned, CAUSAL: tl.constexpr,
            MASKED: tl.constexpr, MASK: tl.constexpr):
     """P for one (queries, keys) tile, recomputed from the saved base-2 lse."""
     qk = dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), False)
     # P <= 1 exactly; with scores ~1e11 the recomputed S can exceed the saved lse by a few fp32 ulps
     p = tl.math.exp2(tl.minimum(qk * scale - lse[:, None], 0.0))
     if MASK:
-        p = tl.where(band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, qtags, ktags), p, 0.0)
+        p = tl.where(band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, qtags, ktags, aligned), p, 0.0)
     elif MASKED:
         p = tl.where(visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
     return p
 
 
 @triton.jit
-def _probs_t(k, q, lse, offs_n, offs_m, T, scale, TK, LEFT, RIGHT, qtags, ktags, CAUSAL: tl.constexpr,
+def _probs_t(k, q, lse, offs_n, offs_m, T, scale, TK, LEFT, RIGHT, qtags, ktags, aligned, CAUSAL: tl.constexpr,
              MASKED: tl.constexpr, MASK: tl.constexpr):
     """Pᵀ for one (keys, queries) tile: the dK/dV kernel's orientation of `_probs`."""
     qkt = dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), False)
     pt = tl.math.exp2(tl.minimum(qkt * scale - lse[None, :], 0.0))
     if MASK:
-        pt = tl.where(band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, qtags, ktags), pt, 0.0)
+        pt = tl.where(band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, qtags, ktags, aligned), pt, 0.0)
     elif MASKED:
         valid = (offs_m[None, :] < T) & (offs_n[:, None] < T)
         if CAUSAL:
@@ -238,13 +243,13 @@ def _probs_t(k, q, lse, offs_n, offs_m, T, scale, TK, LEFT, RIGHT, qtags, ktags,
 
 @triton.jit
 def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq, TK, LEFT,
-             RIGHT, keep_row, qtags, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+             RIGHT, key_row, qtags, aligned, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
              MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, PAD: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _tile_rows(K, k_off, start_n, stride_kt, TK, BLOCK_N, HEAD_DIM, TMA)
     v = _tile_rows(V, v_off, start_n, stride_vt, TK, BLOCK_N, HEAD_DIM, TMA)
-    p = _probs(q, k, lse, offs_m, offs_n, T, qk_scale, TK, LEFT, RIGHT, qtags, key_tags(keep_row, offs_n, TK, PAD),
-               CAUSAL, MASKED, MASK)
+    p = _probs(q, k, lse, offs_m, offs_n, T, qk_scale, TK, LEFT, RIGHT, qtags, key_tags(key_row, offs_n, TK, PAD),
+               aligned, CAUSAL, MASKED, MASK)
     dp = dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), False)
     ds = p * (dp - delta[:, None])
     return dot(cast(ds, k.dtype), k, dq, False)
@@ -275,31 +280,34 @@ def attn_bwd_dq(
     KS = _head_rows(K, k_off, stride_kt, TK, BLOCK_N, HEAD_DIM, TMA)
     VS = _head_rows(V, v_off, stride_vt, TK, BLOCK_N, HEAD_DIM, TMA)
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
-    qtags = query_tags(keep_row, offs_m, T, SEG)
+    key_row = keep_row + T if SEG else keep_row
+    qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
     if MASK:
-        lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
-        lo, hi = segment_range(KEEP, pid_m * BLOCK_M, BLOCK_M, T, lo, hi, SEG)
+        if SEG:
+            lo, hi = packed_keys(keep_row, stride_keep, offs_m, T, aligned, LEFT, RIGHT)
+        else:
+            lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
         for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, TK, LEFT, RIGHT, keep_row, qtags, BLOCK_N, HEAD_DIM, False, True, TMA, True,
-                          PAD)
+                          qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, TMA,
+                          True, PAD)
     else:
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
         for start_n in range(0, free, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, T, LEFT, RIGHT, keep_row, qtags, BLOCK_N, HEAD_DIM, CAUSAL, False, TMA, False,
-                          False)
+                          qk_scale, dq, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, False, TMA,
+                          False, False)
         for start_n in range(free, hi, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, T, LEFT, RIGHT, keep_row, qtags, BLOCK_N, HEAD_DIM, CAUSAL, True, TMA, False,
-                          False)
+                          qk_scale, dq, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, True, TMA,
+                          False, False)
     store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq * scale, offs_m, stride_gt, T, HEAD_DIM)
 
 
 @triton.jit
 def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt, stride_dot, qk_scale,
-               dk, dv, TK, LEFT, RIGHT, keep_row, ktags, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+               dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr):
     """One query tile's share of dK and dV."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -307,8 +315,8 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
     do = _tile_rows(DO, do_off, start_m, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
     lse = load_lse(LSE + row_off, offs_m, T)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
-    pt = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, TK, LEFT, RIGHT, query_tags(keep_row, offs_m, T, SEG), ktags,
-                  CAUSAL, MASKED, MASK)
+    qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
+    pt = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, TK, LEFT, RIGHT, qtags, ktags, aligned, CAUSAL, MASKED, MASK)
     dv = dot(cast(pt, do.dtype), do, dv, False)
     dpt = dot(v, tl.trans(do), tl.zeros((v.shape[0], BLOCK_M), tl.float32), False)
     dst = pt * (dpt - delta[None, :])
@@ -316,8 +324,8 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
 
 
 @triton.jit
-def _dkdv_head(k, v, keep_row, ktags, dk, dv, Q, DO, LSE, DELTA, bh, pid_n, offs_n, H, T, TK, LEFT, RIGHT, stride_qb,
-               stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, qk_scale, HEAD_DIM: tl.constexpr,
+def _dkdv_head(k, v, keep_row, stride_keep, ktags, dk, dv, Q, DO, LSE, DELTA, bh, pid_n, offs_n, H, T, TK, LEFT, RIGHT,
+               stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, qk_scale, HEAD_DIM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
                MASK: tl.constexpr, SEG: tl.constexpr):
     """Query head bh's share of one key tile's dK and dV, over the query tiles that see it, added to dk, dv."""
@@ -327,12 +335,14 @@ def _dkdv_head(k, v, keep_row, ktags, dk, dv, Q, DO, LSE, DELTA, bh, pid_n, offs
     QS = _head_rows(Q, q_off, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
     DOS = _head_rows(DO, do_off, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
     if MASK:  # every query tile whose band (and, packed, the keys' sequences) reaches this key tile, each masked
-        lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
-        lo, hi = segment_range(keep_row, pid_n * BLOCK_N, BLOCK_N, TK, lo, hi, SEG)
+        if SEG:
+            lo, hi = packed_queries(keep_row + T, stride_keep, offs_n, TK, LEFT, RIGHT)
+        else:
+            lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
         for start_m in range((lo // BLOCK_M) * BLOCK_M, hi, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, ktags, BLOCK_M, HEAD_DIM,
-                                False, True, TMA, True, SEG)
+                                stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
+                                HEAD_DIM, False, True, TMA, True, SEG)
     else:
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
@@ -340,16 +350,16 @@ def _dkdv_head(k, v, keep_row, ktags, dk, dv, Q, DO, LSE, DELTA, bh, pid_n, offs
         free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
         for start_m in range(lo, diag_end, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep_row, ktags, BLOCK_M, HEAD_DIM,
-                                CAUSAL, True, TMA, False, False)
+                                stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
+                                HEAD_DIM, CAUSAL, True, TMA, False, False)
         for start_m in range(diag_end, free_end, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep_row, ktags, BLOCK_M, HEAD_DIM,
-                                CAUSAL, False, TMA, False, False)
+                                stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
+                                HEAD_DIM, CAUSAL, False, TMA, False, False)
         for start_m in range(free_end, T, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep_row, ktags, BLOCK_M, HEAD_DIM,
-                                CAUSAL, True, TMA, False, False)
+                                stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
+                                HEAD_DIM, CAUSAL, True, TMA, False, False)
     return dk, dv
 
 
@@ -373,13 +383,13 @@ def attn_bwd_dkdv(
     k = load_rows(K + kv_head_offset(first, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM)
     v = load_rows(V + kv_head_offset(first, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM)
     keep_row = KEEP + (first // H).to(tl.int64) * stride_keep
-    ktags = key_tags(keep_row, offs_n, TK, PAD)
+    ktags = key_tags(keep_row + T if SEG else keep_row, offs_n, TK, PAD)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     for g in tl.static_range(GROUP):
-        dk, dv = _dkdv_head(k, v, keep_row, ktags, dk, dv, Q, DO, LSE, DELTA, first + g, pid_n, offs_n, H, T, TK, LEFT,
-                            RIGHT, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, qk_scale,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA, MASK, SEG)
+        dk, dv = _dkdv_head(k, v, keep_row, stride_keep, ktags, dk, dv, Q, DO, LSE, DELTA, first + g, pid_n, offs_n, H, T,
+                            TK, LEFT, RIGHT, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
+                            qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA, MASK, SEG)
     out = head_offset(tl.program_id(1), H // GROUP, stride_gb, stride_gh)
     store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM)
     store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM)
