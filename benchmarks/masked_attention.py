@@ -2,8 +2,9 @@
 
 bf16 forward+backward, median of `triton.testing.do_bench`; TFLOP/s counted on the visible (query, key) pairs only
 (4·D FLOPs per pair forward, 3.5x that forward+backward), so every implementation is credited the same work. Cases:
-a causal sliding window, and causal attention over a right-padded batch. FlexAttention is compiled with its block
-mask; SDPA gets the dense boolean mask. Prints a table with the ratio to FlexAttention and writes JSON:
+a causal sliding window, causal attention over a right-padded batch, and a packed batch of causal sequences
+(`flash_attn_varlen_func`'s case; FlexAttention's document mask). FlexAttention is compiled with its block mask;
+SDPA gets the dense boolean mask. Prints a table with the ratio to FlexAttention and writes JSON:
 
     python benchmarks/masked_attention.py --out results/own-model-h200/masked-attention.json
 """
@@ -20,13 +21,20 @@ import triton
 from common import run_meta  # benchmarks/common.py: the script's own folder is on sys.path
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from stableflash import SFA, flash_attention
+from stableflash import SFA, flash_attention, flash_attn_varlen_func
 
-CASES = {  # name: (B, H, T, D, window left, padded fraction of each row's keys)
-    "window-1024": (4, 16, 8192, 64, 1024, 0.0),
-    "window-256": (8, 16, 4096, 128, 256, 0.0),
-    "padding-25%": (8, 16, 4096, 64, -1, 0.25),
+CASES = {  # name: (B, H, T, D, window left, padded fraction of each row's keys, packed sequences in the row)
+    "window-1024": (4, 16, 8192, 64, 1024, 0.0, 0),
+    "window-256": (8, 16, 4096, 128, 256, 0.0, 0),
+    "padding-25%": (8, 16, 4096, 64, -1, 0.25, 0),
+    "packed-12": (1, 16, 16384, 64, -1, 0.0, 12),
 }
+
+
+def packed_offsets(T: int, sequences: int) -> list[int]:
+    """Offsets of `sequences` causal sequences of uneven lengths (a fixed draw, 64 and up) filling T positions."""
+    cuts = torch.randperm(T // 64 - 1, generator=torch.Generator().manual_seed(0))[:sequences - 1] + 1
+    return [0, *sorted((cuts * 64).tolist()), T]
 
 
 def case_masks(B, T, left, padded, device):
@@ -47,9 +55,25 @@ def case_masks(B, T, left, padded, device):
     return (keep if padded else None), visible, dense[:, None]
 
 
+def packed_masks(T: int, offsets: list[int], device):
+    """FlexAttention's document mask function and the dense (1, 1, T, T) mask of a packed row of causal sequences."""
+    lengths = torch.tensor(offsets).diff()
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+
+    def visible(b, h, i, j):
+        return (doc[i] == doc[j]) & (j <= i)
+
+    i = torch.arange(T, device=device)
+    return visible, ((doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None]))[None, None]
+
+
 def measure_case(name: str, flex) -> list[dict]:
-    B, H, T, D, left, padded = CASES[name]
-    keep, visible, dense = case_masks(B, T, left, padded, "cuda")
+    B, H, T, D, left, padded, sequences = CASES[name]
+    if sequences:
+        offsets = packed_offsets(T, sequences)
+        keep, (visible, dense) = None, packed_masks(T, offsets, "cuda")
+    else:
+        keep, visible, dense = case_masks(B, T, left, padded, "cuda")
     block_mask = create_block_mask(visible, B, None, T, T, device="cuda")
     flops = 3.5 * 4 * D * H * dense.sum().item()
     window = (left, -1) if left >= 0 else None
@@ -61,6 +85,17 @@ def measure_case(name: str, flex) -> list[dict]:
         "stableflash-sfa": lambda q, k, v: flash_attention(q, k, v, backend="triton", window=window,
                                                            key_padding_mask=keep, stabilize=SFA()),
     }
+    if sequences:  # the packed row as flash_attn_varlen_func takes it: (total, H, D) views of the same tensors
+        cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+        longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+
+        def varlen(q, k, v, **kw):
+            out = flash_attn_varlen_func(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, longest, longest,
+                                         causal=True, **kw)
+            return out.transpose(0, 1)[None]
+
+        impls["stableflash"] = varlen
+        impls["stableflash-sfa"] = lambda q, k, v: varlen(q, k, v, stabilize=SFA())
     q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
     measured = {}
