@@ -119,7 +119,19 @@ def section_steps(shape, steps: int) -> None:
     import stableflash.attention.api as api
     ops = importlib.import_module("stableflash.attention.triton.ops")
     if hasattr(ops, "FlashAttention"):
+        timed(ops.FlashAttention, "forward", "FlashAttention.forward")
         timed(ops.FlashAttention, "backward", "FlashAttention.backward")
+    for module, owner, name in (("stableflash.attention.triton.compiled", "BoundLaunch", "__call__"),
+                                ("stableflash.attention.triton.launch", "PLANS", "key"),
+                                ("stableflash.attention.triton.replay", "Plan", "replay"),  # the tree before
+                                ("stableflash.attention.triton.replay", None, "describe")):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        target = getattr(mod, owner, None) if owner else mod
+        if target is not None:
+            timed(target, name, f"{owner or module.rsplit('.', 1)[-1]}.{name}")
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     fn = lambda q, k, v: api.flash_attention(q, k, v, backend="triton")  # noqa: E731
