@@ -103,7 +103,8 @@ def section_steps(shape, steps: int) -> None:
                 return fn(*args, **kwargs)
             finally:
                 parts[label].append(time.perf_counter() - start)
-        setattr(owner, name, wrapper)
+        raw = owner.__dict__.get(name) if isinstance(owner, type) else None
+        setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
 
     for module, names in (("stableflash.attention.api", ["flash_attention"]),
                           ("stableflash.attention.triton", ["attention"]),
