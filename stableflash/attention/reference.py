@@ -228,7 +228,7 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
         l = r.site("row_sum_saved", l, (i0, 0, 0))  # the buffer that the division and the log-sum-exp read
         o_full = r.ew(torch.div, acc, torch.where(empty, torch.ones_like(l), l))
         o_full = o_full.masked_fill(empty, 0.0)
-        out[:, :, i0:i0 + bm] = r.site("out", o_full)
+        out[:, :, i0:i0 + bm] = r.site("out", o_full, (i0, 0, 0))
         if o_saved is not None:
             o_saved[:, :, i0:i0 + bm] = r.cast(o_full, o_saved.dtype)
         log_l = r.site("lse", torch.log(r.up(l)))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stableflash import SFA, AttentionStats, ClampPbar, flash_attention
-from stableflash.attention.precision import resolve
+from stableflash.attention.precision import PRESETS, SITES, resolve
 from stableflash.attention.triton import kernel_options
 from stableflash.attention.triton.spec import EMULATED_VARIANTS, NARROW_VARIANTS, emulated_variant
 from stableflash.numerics.formats import get_format
@@ -154,6 +154,34 @@ def test_narrow_formats_and_rounding_toward_zero_agree_bit_for_bit_with_the_refe
         for what, a, r in zip(["out", "dq", "dk", "dv"], ours, ref):
             equal = (a == r).float().mean().item()
             assert equal >= (0.95 if what == "out" else 0.80), (name, stabilize, what, equal)
+
+
+@pytest.mark.parametrize("site", list(SITES))
+def test_rounding_toward_zero_at_any_one_site_is_the_references(site):
+    """Toward zero at each site of a Precision alone, on `paper`: outputs and gradients bit for bit with the
+    reference (the threshold of the other emulation tests); O's site rounded to nearest once, in the store."""
+    policy = PRESETS["paper"].with_rounding("toward_zero", (site,))
+    q, k, v = _inputs((1, 2, 100, 16 if INTERPRET else 64))
+    dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
+    ours = _run(functools.partial(_attention, precision=policy), q, k, v, dout)
+    ref = _run(functools.partial(flash_attention, precision=policy, backend="reference"), q, k, v, dout)
+    for what, a, r in zip(["out", "dq", "dk", "dv"], ours, ref):
+        equal = (a == r).float().mean().item()
+        assert equal >= (0.95 if what == "out" else 0.80), (site, what, equal)
+
+
+def test_stochastic_rounding_of_o_is_the_references_for_the_same_seed():
+    """O's site rounded stochastically in the kernel, with the bits of each element's position: the reference's
+    values for the same seed, other values than nearest rounding's."""
+    policy = PRESETS["paper"].with_rounding("stochastic", ("pv", "acc", "out"))
+    q, k, v = _inputs((1, 2, 100, 16 if INTERPRET else 64))
+    torch.manual_seed(5)
+    ours = _attention(q, k, v, precision=policy).detach()
+    torch.manual_seed(5)
+    ref = flash_attention(q, k, v, precision=policy, backend="reference").detach()
+    nearest = flash_attention(q, k, v, precision="paper", backend="reference").detach()
+    assert (ours == ref).float().mean().item() >= 0.95
+    assert (ref != nearest).float().mean().item() > 0.05
 
 
 def test_narrow_formats_round_as_the_reference_does_value_by_value():

@@ -44,6 +44,7 @@ from stableflash.attention.triton.common import (
 
 _PBAR_OP, _PV, _ACC_SCALED, _ACC = (tl.constexpr(SITE_INDEX[s]) for s in ("pbar_operand", "pv", "acc_scaled", "acc"))
 _TILE_SUM, _ROW_SUM, _ROW_SUM_SAVED = (tl.constexpr(SITE_INDEX[s]) for s in ("tile_sum", "row_sum", "row_sum_saved"))
+_OUT = tl.constexpr(SITE_INDEX["out"])
 
 
 @triton.jit
@@ -221,7 +222,8 @@ def attn_fwd(
     R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
     R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_L_SAVED: tl.constexpr, R_DIV: tl.constexpr,
-    R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, MASK: tl.constexpr = False, PAD: tl.constexpr = False,
+    R_OUT: tl.constexpr, R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, MASK: tl.constexpr = False,
+    PAD: tl.constexpr = False,
 ):
     """O (and, with SAVE_OS, the fp32 O the backward reads for δ into OS) and the natural-unit lse of one query tile.
     `seed`: the call's stochastic rounding seed (unused without it); LM: the logical query tile (read under MASK)."""
@@ -307,7 +309,9 @@ def attn_fwd(
     o = _round(acc / tl.where(empty, 1.0, l)[:, None], R_DIV)
     o = tl.where(empty[:, None], 0.0, o)
     o_off = head_offset(bh, H, stride_ob, stride_oh)
-    store_rows(O + o_off, o, offs_m, stride_ot, T, HEAD_DIM)
+    # the `out` site's format and mode (the store's own cast rounds to nearest), with bits from each element's place
+    store_rows(O + o_off, _round_at(o, R_OUT, seed, _OUT, bh, offs_m[:, None], tl.arange(0, HEAD_DIM)[None, :], 0),
+               offs_m, stride_ot, T, HEAD_DIM)
     if SAVE_OS:
         store_rows(OS + o_off, o, offs_m, stride_ot, T, HEAD_DIM)
     log_l = _round(_log(l), R_LSE)

@@ -36,8 +36,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # storage dtypes, which elementwise ops round to
 FORMAT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "e8m6": 3, "e8m5": 4, "e8m4": 5, "e8m3": 6}
 MODE_CODES = {"nearest": 0, "toward_zero": 1, "stochastic": 2}
-STOCHASTIC_SITES = ("pbar_operand", "pv", "acc_scaled", "acc", "tile_sum", "row_sum", "row_sum_saved")
-"""The sites the kernels round stochastically (the forward's P̄V path and ℓ), with bits from the element's position."""
+STOCHASTIC_SITES = ("pbar_operand", "pv", "acc_scaled", "acc", "tile_sum", "row_sum", "row_sum_saved", "out")
+"""The sites the kernels round stochastically (the forward's P̄V path, ℓ and O), with bits from the element's
+position."""
 _BF16_VALUED = {"bf16", "e8m6", "e8m5", "e8m4", "e8m3"}  # formats whose every value is a bf16 value
 _NATIVE_TILE = PRESETS["fa2"].block_m
 
@@ -53,7 +54,8 @@ def _operand_in_input_dtype(site_format: str, input_format: str) -> bool:
 
 
 _FWD_CODES = ("R_QK", "R_SCORES", "R_ROW_MAX", "R_SUB", "R_PBAR", "R_PBAR_OP", "R_TILE_SUM", "R_PV", "R_RESCALE",
-              "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC", "R_L_SAVED", "R_DIV", "R_LSE", "R_LSE_ADD")
+              "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC", "R_L_SAVED", "R_DIV", "R_OUT", "R_LSE",
+              "R_LSE_ADD")
 _P_CODES = ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP")
 _DS_CODES = ("R_DS1", "R_DS2", "R_DS", "R_DS_OP")
 
@@ -260,7 +262,8 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
         # O*c rounds to the operands' promoted dtype, then to the `acc_scaled` site (one of the two is fp32)
         R_A1=code["acc_scaled"] or _op_code(policy, promoted_acc), R_A2=op(store["acc_scaled"], store["pv"]),
         R_ACC=code["acc"],
-        R_L_SAVED=code["row_sum_saved"], R_DIV=op(store["acc"], store["row_sum_saved"]), R_LSE=code["lse"],
+        R_L_SAVED=code["row_sum_saved"], R_DIV=op(store["acc"], store["row_sum_saved"]), R_OUT=code["out"],
+        R_LSE=code["lse"],
         R_LSE_ADD=op(store["lse"], store["row_max"]),
         R_TERMS=code["delta_terms"], R_DELTA=code["delta"],
         R_P_SUB=op(store["scores"], store["lse"]), R_P=code["p"], R_P_OP=code["p_operand"], R_DP=code["dp"],
