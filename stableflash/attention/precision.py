@@ -368,3 +368,10 @@ def resolve(precision: str | Precision) -> Precision:
     if isinstance(precision, str) and precision in PRESETS:
         return PRESETS[precision]
     raise ValueError(f"precision: unknown preset {precision!r}; expected a Precision or one of {sorted(PRESETS)}")
+
+
+def rounds_backward_stochastically(policy: Precision) -> bool:
+    """Whether some backward site of `policy` rounds stochastically: each backward then draws a seed of its own as
+    it starts, the reference and the kernels alike."""
+    return policy.rounding == "stochastic" and (not policy.rounding_sites
+                                                or bool(set(policy.rounding_sites) & set(BACKWARD_SITES)))

@@ -29,7 +29,7 @@ import math
 import torch
 
 from stableflash.attention.mask import Visibility
-from stableflash.attention.precision import SITE_INDEX, Precision
+from stableflash.attention.precision import SITE_INDEX, Precision, rounds_backward_stochastically
 from stableflash.attention.stabilize import SFA, ClampPbar
 from stableflash.attention.stats import AttentionStats
 from stableflash.numerics.formats import get_format
@@ -115,6 +115,7 @@ def _tile_bits(seed: int, site: int, x: torch.Tensor, at: tuple[int, int, int]) 
 def stochastic_seed(policy: Precision) -> int | None:
     """The seed of one attention call's stochastic rounding (`draw_seed`); None where no site rounds stochastically."""
     return draw_seed() if policy.rounding == "stochastic" else None
+
 
 
 def _visibility(causal: bool | Visibility, q, k) -> Visibility:
@@ -253,8 +254,8 @@ def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, vis: Visibility):
     T, Tk = q.shape[-2], k.shape[-2]
     if policy.delta_formula == "do_o":
         # the products round at their own site only: a fused kernel (FA2, inductor) keeps dO*O in fp32
-        terms = r.site("delta_terms", r.up(dout) * r.up(o_saved))
-        return r.site("delta", r.up(terms).sum(-1, keepdim=True))
+        terms = r.site("delta_terms", r.up(dout) * r.up(o_saved), (0, 0, 0))
+        return r.site("delta", r.up(terms).sum(-1, keepdim=True), (0, 0, 0))
     # the other two formulas need P row by row: one pass over the key tiles
     delta = torch.zeros(*q.shape[:-1], 1, dtype=r.dtype("delta"), device=q.device)
     for i0, bm in _tiles(T, policy.block_m):
@@ -280,7 +281,7 @@ def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, vis: Visibility):
 @_policy_rounds_alone
 def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibility, policy: Precision):
     """Tiled backward (FlashAttention-2 Algorithm 2). Returns (dq, dk, dv) in the site formats."""
-    r = _Rounder(policy, q.dtype)
+    r = _Rounder(policy, q.dtype, draw_seed() if rounds_backward_stochastically(policy) else None)
     vis = _visibility(causal, q, k)
     B, H, T, D = q.shape
     delta = _delta(r, q, k, v, o_saved, lse, dout, scale, vis)

@@ -170,18 +170,22 @@ def test_rounding_toward_zero_at_any_one_site_is_the_references(site):
         assert equal >= (0.95 if what == "out" else 0.80), (site, what, equal)
 
 
-def test_stochastic_rounding_of_o_is_the_references_for_the_same_seed():
-    """O's site rounded stochastically in the kernel, with the bits of each element's position: the reference's
-    values for the same seed, other values than nearest rounding's."""
-    policy = PRESETS["paper"].with_rounding("stochastic", ("pv", "acc", "out"))
+def test_stochastic_rounding_of_o_and_delta_is_the_references_for_the_same_seed():
+    """O's site and δ's (the backward draws a seed of its own) rounded stochastically in the kernels, with the bits of
+    each element's position: the reference's values for the same seed, other values than nearest rounding's."""
+    narrow = PRESETS["paper"].with_sites(delta="e8m4", delta_terms="bf16")
+    policy = narrow.with_rounding("stochastic", ("pv", "acc", "out", "delta_terms", "delta"))
     q, k, v = _inputs((1, 2, 100, 16 if INTERPRET else 64))
+    dout = torch.randn(q.shape, device=DEVICE).to(torch.bfloat16)
     torch.manual_seed(5)
-    ours = _attention(q, k, v, precision=policy).detach()
+    ours = _run(functools.partial(_attention, precision=policy), q, k, v, dout)
     torch.manual_seed(5)
-    ref = flash_attention(q, k, v, precision=policy, backend="reference").detach()
-    nearest = flash_attention(q, k, v, precision="paper", backend="reference").detach()
-    assert (ours == ref).float().mean().item() >= 0.95
-    assert (ref != nearest).float().mean().item() > 0.05
+    ref = _run(functools.partial(flash_attention, precision=policy, backend="reference"), q, k, v, dout)
+    nearest = _run(functools.partial(flash_attention, precision=narrow, backend="reference"), q, k, v, dout)
+    for what, a, r, n in zip(["out", "dq", "dk", "dv"], ours, ref, nearest):
+        assert (a == r).float().mean().item() >= (0.95 if what == "out" else 0.80), what
+        if what != "dv":  # dV reads neither O nor δ
+            assert (r != n).float().mean().item() > 0.05, what
 
 
 def test_narrow_formats_round_as_the_reference_does_value_by_value():

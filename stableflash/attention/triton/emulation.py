@@ -44,7 +44,7 @@ from stableflash.attention.triton.common import (
 
 _PBAR_OP, _PV, _ACC_SCALED, _ACC = (tl.constexpr(SITE_INDEX[s]) for s in ("pbar_operand", "pv", "acc_scaled", "acc"))
 _TILE_SUM, _ROW_SUM, _ROW_SUM_SAVED = (tl.constexpr(SITE_INDEX[s]) for s in ("tile_sum", "row_sum", "row_sum_saved"))
-_OUT = tl.constexpr(SITE_INDEX["out"])
+_OUT, _DELTA_TERMS, _DELTA = (tl.constexpr(SITE_INDEX[s]) for s in ("out", "delta_terms", "delta"))
 
 
 @triton.jit
@@ -418,12 +418,12 @@ def attn_bwd_delta_dpp(
     tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def attn_bwd_dq(
     Q, K, V, DO, O, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
-    H, G, T, qk_scale, scale, LT, KEEP, stride_keep, TK, LEFT, RIGHT,
+    H, G, T, qk_scale, scale, LT, seed, KEEP, stride_keep, TK, LEFT, RIGHT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, DELTA_HERE: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
@@ -432,15 +432,17 @@ def attn_bwd_dq(
 ):
     """dQ of one query tile, each logical key tile's part accumulated in fp32, then rounded and added as the reference
     does. With DELTA_HERE it first computes its rows' δ = rowsum(dO ∘ O) (each product rounded on its own) and
-    stores it for the dK/dV kernel; else it reads the δ of the `dp_p` pass."""
+    stores it for the dK/dV kernel; else it reads the δ of the `dp_p` pass. `seed`: the backward's stochastic
+    rounding seed (δ's sites; unused without it)."""
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_m = tl.program_id(0)
     bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
     if DELTA_HERE:
         o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
-        terms = mul_rn(do.to(tl.float32), o.to(tl.float32))
-        delta = _round(tl.sum(_round(terms, R_TERMS), 1), R_DELTA)
+        terms = _round_at(mul_rn(do.to(tl.float32), o.to(tl.float32)), R_TERMS, seed, _DELTA_TERMS, bh,
+                          offs_m[:, None], tl.arange(0, HEAD_DIM)[None, :], 0)
+        delta = _round_at(tl.sum(terms, 1), R_DELTA, seed, _DELTA, bh, offs_m, 0, 0)
         tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
     else:
         delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)

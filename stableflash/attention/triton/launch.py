@@ -425,7 +425,9 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     else:
         delta_pass = () if spec.delta_constants is None else (
             (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n, *masking),)
-        launch_args = (*delta_pass, (*dq_args, spec.logical_n, *masking), (*dkdv_args, spec.logical_m, *masking))
+        seed = draw_seed() if spec.backward_stochastic else 0  # where the reference's backward draws its own
+        launch_args = (*delta_pass, (*dq_args, spec.logical_n, seed, *masking),
+                       (*dkdv_args, spec.logical_m, *masking))
     key = _plan_key(traced, ("backward", name, causal), band, dout, q, k, v, o_saved, lse)
     plan = PLANS.get(key) if key is not None else None
     if plan is not None:

@@ -121,6 +121,8 @@ def flash_fwd_traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 def flash_bwd_traced(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_saved: torch.Tensor,
                      lse: torch.Tensor, causal: bool, scale: float, name: str, masked: bool = False, left: int = -1,
                      right: int = -1, keep: torch.Tensor | None = None, packed: bool = False) -> _BwdOutputs:
+    if spec_named(name).backward_stochastic:  # its seed drawn when the call runs: a node of its own
+        return flash_bwd(dout, q, k, v, o_saved, lse, causal, scale, name, masked, left, right, keep, packed)
     return launch.backward(dout, q, k, v, o_saved, lse, causal, scale, name, traced=True,
                            band=_band(masked, left, right, keep, packed))
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from stableflash.attention import stabilize as stabilizers
-from stableflash.attention.precision import PRESETS, PV_PATH, SITES, Precision
+from stableflash.attention.precision import PRESETS, PV_PATH, SITES, Precision, rounds_backward_stochastically
 from stableflash.attention.stabilize import SFA, ClampPbar
 from stableflash.numerics.formats import get_format
 
@@ -36,9 +36,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # storage dtypes, which elementwise ops round to
 FORMAT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "e8m6": 3, "e8m5": 4, "e8m4": 5, "e8m3": 6}
 MODE_CODES = {"nearest": 0, "toward_zero": 1, "stochastic": 2}
-STOCHASTIC_SITES = ("pbar_operand", "pv", "acc_scaled", "acc", "tile_sum", "row_sum", "row_sum_saved", "out")
-"""The sites the kernels round stochastically (the forward's P̄V path, ℓ and O), with bits from the element's
-position."""
+STOCHASTIC_SITES = ("pbar_operand", "pv", "acc_scaled", "acc", "tile_sum", "row_sum", "row_sum_saved", "out",
+                    "delta_terms", "delta")
+"""The sites the kernels round stochastically (the forward's P̄V path, ℓ and O, and δ = rowsum(dO ∘ O)), with bits
+from the element's position."""
 _BF16_VALUED = {"bf16", "e8m6", "e8m5", "e8m4", "e8m3"}  # formats whose every value is a bf16 value
 _NATIVE_TILE = PRESETS["fa2"].block_m
 
@@ -86,6 +87,8 @@ class KernelSpec:
     clamp_ceiling: float
     stochastic: bool
     """Some site rounds stochastically: each forward call draws a seed (`numerics.rounding.draw_seed`)."""
+    backward_stochastic: bool
+    """Some backward site does: each backward draws a seed of its own as it starts, where the reference draws it."""
 
     @property
     def units(self) -> float:
@@ -161,6 +164,9 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
     if policy.rounding == "stochastic" and (not policy.rounding_sites
                                             or not set(policy.rounding_sites) <= set(STOCHASTIC_SITES)):
         return f"stochastic rounding runs in the kernels at the sites {STOCHASTIC_SITES} (with_rounding(..., sites))"
+    if (policy.rounding == "stochastic" and policy.delta_formula != "do_o"
+            and {"delta_terms", "delta"} & set(policy.rounding_sites)):
+        return "stochastic δ runs in the kernels with delta_formula 'do_o' only"
     if dtype == torch.float16:
         for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
             if policy.dtype(site, dtype) not in (dtype, torch.float32):
@@ -293,6 +299,7 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
         tile_clamp=float(policy.tile_sum_clamp or 0.0), stab=stab, beta=beta, eps=eps * units,
         low=low * units, high=high * units, bounded=bounded, clamp_ceiling=ceiling,
         stochastic=policy.rounding == "stochastic",
+        backward_stochastic=rounds_backward_stochastically(policy),
     )
     return KernelSpec(name=repr(sorted(fields.items())), **fields)
 
