@@ -171,8 +171,8 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
         for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
             if policy.dtype(site, dtype) not in (dtype, torch.float32):
                 return f"matmul operand site {site} must be the input dtype or fp32"
-    elif policy.format("out", dtype).name not in ("bf16", "fp32"):
-        return "the output site must be the input dtype or fp32"
+    elif policy.format("out", dtype).name not in ("fp32", *_BF16_VALUED):
+        return "the output site must be bf16, a narrower format with its exponent (e8m6-e8m3), or fp32"
     if policy.o_saved not in ("out", "fp32"):
         return "o_saved must be 'out' or 'fp32'"
     for name in ("block_m", "block_n"):
