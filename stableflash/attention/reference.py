@@ -117,7 +117,6 @@ def stochastic_seed(policy: Precision) -> int | None:
     return draw_seed() if policy.rounding == "stochastic" else None
 
 
-
 def _visibility(causal: bool | Visibility, q, k) -> Visibility:
     """A `Visibility` from the public `causal` flag (or one passed through)."""
     if isinstance(causal, Visibility):
