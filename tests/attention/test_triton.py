@@ -279,6 +279,20 @@ MASKED_CASES = {  # Tq, Tk, causal, window, key padding, query heads per key/val
 }
 
 
+def _masked_runs(q, k, v, dout, masks: dict, **kw):
+    """Our kernels and the reference (each with `kw`, each with statistics) and fp64 on the CPU, under the same masks:
+    (ours, ref, exact, our statistics, the reference's)."""
+    stats, ref_stats = AttentionStats(q.shape[1]), AttentionStats(q.shape[1])
+    ours = _run(functools.partial(_attention, stats=stats, **kw, **masks), q, k, v, dout)
+    ref = _run(functools.partial(flash_attention, backend="reference", stats=ref_stats, **kw, **masks), q, k, v, dout)
+    keep = masks["key_padding_mask"]
+    cpu_masks = {**masks, "key_padding_mask": None if keep is None else keep.cpu()}
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **cpu_masks), *leaves,
+                 dout.cpu().double())
+    return ours, ref, exact, stats, ref_stats
+
+
 @pytest.mark.parametrize("head_dim", [64] if INTERPRET else [64, 128])  # 128: TMA loads among the candidates
 @pytest.mark.parametrize("stabilize", [None, SFA()], ids=["plain", "sfa"])
 @pytest.mark.parametrize("case", list(MASKED_CASES))
@@ -294,15 +308,8 @@ def test_masked_calls_run_in_the_kernels(case, stabilize, head_dim):
         keep = torch.rand(B, Tk, generator=g) > 0.3
         keep[1] = False  # a batch row with no real key: every query row of it sees nothing
         keep = keep.to(DEVICE)
-    masks = dict(causal=causal, window=window, key_padding_mask=keep)
-    stats, ref_stats = AttentionStats(H), AttentionStats(H)
-    ours = _run(functools.partial(_attention, stabilize=stabilize, stats=stats, **masks), q, k, v, dout)
-    ref = _run(functools.partial(flash_attention, stabilize=stabilize, backend="reference", stats=ref_stats, **masks),
-               q, k, v, dout)
-    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    cpu_masks = {**masks, "key_padding_mask": None if keep is None else keep.cpu()}
-    exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **cpu_masks), q64, k64, v64,
-                 dout.cpu().double())
+    ours, ref, exact, stats, ref_stats = _masked_runs(q, k, v, dout, dict(causal=causal, window=window,
+                                                                         key_padding_mask=keep), stabilize=stabilize)
     assert [t.shape for t in ours] == [q.shape, q.shape, k.shape, v.shape]
     for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
         assert torch.isfinite(a).all(), (name, f"seed {seed}")
@@ -333,15 +340,8 @@ def test_masked_calls_under_emulated_policies_match_the_reference(case, precisio
         keep = torch.rand(B, Tk, generator=g) > 0.3
         keep[1, : Tk // 2] = False  # a row's first half all padding: its windowed queries there see nothing
         keep = keep.to(DEVICE)
-    masks = dict(causal=causal, window=window, key_padding_mask=keep)
-    stats, ref_stats = AttentionStats(H), AttentionStats(H)
-    ours = _run(functools.partial(_attention, precision=precision, stats=stats, **masks), q, k, v, dout)
-    ref = _run(functools.partial(flash_attention, precision=precision, backend="reference", stats=ref_stats, **masks),
-               q, k, v, dout)
-    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    cpu_masks = {**masks, "key_padding_mask": None if keep is None else keep.cpu()}
-    exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **cpu_masks), q64, k64, v64,
-                 dout.cpu().double())
+    ours, ref, exact, stats, ref_stats = _masked_runs(q, k, v, dout, dict(causal=causal, window=window,
+                                                                         key_padding_mask=keep), precision=precision)
     for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
         assert torch.isfinite(a).all(), (name, f"seed {seed}")
         _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
