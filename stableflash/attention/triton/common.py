@@ -25,12 +25,13 @@ def cast(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def dot(a, b, acc, OPS_FP32: tl.constexpr):
-    """a @ b + acc with fp32 accumulation; operands in their dtype, or exact fp32 when OPS_FP32."""
+    """a @ b + acc with fp32 accumulation; operands in their dtype, or exact fp32 when OPS_FP32 or either operand
+    is fp32 (an fp32 dO: the reference multiplies it as given, where tensor cores would read it as tf32)."""
     # one return through if/elif/else: after an early `return` under a constexpr `if`, Triton still compiles the
     # rest, and a bf16 dot of fp32 operands does not compile
     if _INTERPRET:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif OPS_FP32:  # three tf32 products: fp32-level accuracy on the tensor cores
+    elif OPS_FP32 or a.dtype == tl.float32 or b.dtype == tl.float32:  # three tf32 products: fp32-level accuracy
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
     else:
         out = tl.dot(a, b, acc)
