@@ -3,7 +3,9 @@ resumes from its checkpoint in the next call; `summarise` turns the runs into on
 verdict by the rule written before the run.
 
     python scripts/dose_response.py run --out OUT --budget-s 540 --steps 3000   # call again to continue every run
+    python scripts/dose_response.py finish OUT --budget-s 240           # δ per arm, the first failure's isolation
     python scripts/dose_response.py summarise OUT                       # OUT/arms/*.json, figures, OUT/verdict.json
+    python scripts/dose_response.py pack OUT dose.tgz                   # all of it but checkpoints and caches
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import signal
 import subprocess
 import sys
@@ -41,6 +44,12 @@ DIVERGENCE = 1.0
 """A run diverges at the first step whose loss is non-finite or this much above its best so far."""
 SHORTEST_HOLD = 500
 """A run that the budget stopped before this step, without diverging, counts as neither holding nor diverging."""
+DELTA_STEPS = 10
+"""Replayed steps over which `diagnose delta` sums δ's signed error, per arm and for the first failing run."""
+ISOLATION = "baseline,pv-fp32,delta-dp-p,o-fp32,heads-fp32,sfa-bounded"
+"""The seed's isolation from the first failing run's checkpoint (docs/dose-response.md says why these)."""
+ISOLATION_MARGIN = 100
+"""Steps each isolation experiment trains past the step at which its run diverged."""
 
 
 def run(args) -> None:
@@ -126,7 +135,7 @@ def summarise_run(folder: Path) -> dict:
 
 
 def verdict(arms: dict[str, list[dict]]) -> dict:
-    """The rule of docs/dose-response.md, part by part (the signatures need the δ diagnosis: reported as open)."""
+    """The training parts of docs/dose-response.md's rule (the signatures: `signatures`)."""
     def diverged(arm):
         return [r["first_divergence"] is not None for r in arms.get(arm, [])]
 
@@ -146,8 +155,7 @@ def verdict(arms: dict[str, list[dict]]) -> dict:
     }
     return {"parts": parts, "training_parts_met": all(parts.values()),
             "median_first_divergence": {arm: median_step(arm) for arm in arms},
-            "runs_stopped_short_without_divergence": {arm: s for arm, s in short.items() if s},
-            "signatures": "open: `stableflash diagnose delta` and `isolate` from the first failing run's checkpoint"}
+            "runs_stopped_short_without_divergence": {arm: s for arm, s in short.items() if s}}
 
 
 def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
@@ -160,45 +168,144 @@ def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
     run = out / "runs" / first["run"]
     before = run / "checkpoint-previous.pt"
     layer = first["wq_growth"]["layer"] if first["wq_growth"] else 0
-    return [f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {before} --replay {run} "
-            f"--steps 50 --layer {layer} --out {out / 'diagnose-delta'}",
-            f"stableflash isolate --config {run / 'config.toml'} --replay {run} --from-checkpoint {before} "
-            f"--experiments all --layer {layer} --jobs 5 --out {out / 'isolate'}"]
+    until = first["first_divergence"] + ISOLATION_MARGIN
+    # no --replay: the isolation trains past the run's last recorded batch, and the batches are a pure function of
+    # seed and step
+    return [f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {before} "
+            f"--low config --steps {DELTA_STEPS} --layer {layer} --out {out / 'diagnose-delta'}",
+            f"stableflash isolate --config {run / 'config.toml'} --from-checkpoint {before} "
+            f"--experiments {ISOLATION} --layer {layer} --jobs {len(ISOLATION.split(','))} "
+            f"--set run.max_steps={until} --out {out / 'isolate'}"]
 
 
 def delta_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
     """Per arm, for its first seed's run: the signed cumulative δ error at the layer whose W_Q head grew most (the
-    sign of predictions 3 and 5), from its latest checkpoint, or the one before it where the run diverged."""
+    sign of predictions 3 and 5), under the arm's own numerics, from its latest checkpoint, or from the one before
+    it where the run diverged."""
     commands = []
     for arm, runs in arms.items():
         first = min(runs, key=lambda r: r["run"])
         run = out / "runs" / first["run"]
-        checkpoint = run / ("checkpoint-previous.pt" if first["first_divergence"] is not None else "checkpoint.pt")
+        diverged = first["first_divergence"] is not None
+        # no --replay: after the last checkpoint the run recorded no batches; the trainer draws them as the run
+        # would have (a pure function of seed and step)
+        source = run / ("checkpoint-previous.pt" if diverged else "checkpoint.pt")
         layer = first["wq_growth"]["layer"] if first["wq_growth"] else 0
-        commands.append(f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {checkpoint} "
-                        f"--replay {run} --steps 50 --layer {layer} --out {out / 'delta' / arm}")
+        commands.append(f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {source} --low config "
+                        f"--steps {DELTA_STEPS} --layer {layer} --out {out / 'delta' / arm}")
     return commands
 
 
-def summarise(args) -> None:
+def _collect(out: Path) -> dict[str, list[dict]]:
     arms: dict[str, list[dict]] = {}
-    for folder in sorted((args.out / "runs").iterdir()):
+    for folder in sorted((out / "runs").iterdir()):
         arm = folder.name.rsplit("-s", 1)[0]
         arms.setdefault(arm, []).append(summarise_run(folder) | {"run": folder.name})
+    return arms
+
+
+def delta_at_growth_head(trace_path: Path, run: dict) -> dict | None:
+    """A `diagnose delta` trace read at the run's fastest-growing W_Q head: its signed cumulative δ error, and
+    which head of that layer has the largest one."""
+    if not trace_path.exists() or run["wq_growth"] is None:
+        return None
+    trace = json.loads(trace_path.read_text())
+    if not trace["cumulative"]:
+        return None
+    final = trace["cumulative"][-1]
+    head = run["wq_growth"]["head"]
+    return {"run": run["run"], "low": trace["low"], "layer": trace["layer"], "head": head, "steps": len(trace["steps"]),
+            "cumulative": final[head], "largest_head": max(range(len(final)), key=final.__getitem__)}
+
+
+def signatures(out: Path, arms: dict[str, list[dict]]) -> dict:
+    """Prediction 5 on the first failing run (its δ trace from `finish`): a positive cumulative δ error at the head
+    whose W_Q grew most, that head the one with the largest δ error, and rows with a repeated maximum in that head
+    before the divergence (the monitor's count: more than one score within eps of a tile's maximum, where P̄ = 1
+    repeats)."""
+    failing = [r for arm in ("e8m3", "e8m4", "paper") for r in arms.get(arm, []) if r["first_divergence"] is not None]
+    if not failing:
+        return {"status": "no failing run"}
+    first = min(failing, key=lambda r: r["first_divergence"])
+    delta = delta_at_growth_head(out / "diagnose-delta" / "delta-trace.json", first)
+    if delta is None:
+        return {"status": "open: no δ trace of the first failing run", "run": first["run"]}
+    layer, head = delta["layer"], delta["head"]
+    before = [a for step, a in zip(first["monitor_steps"], first["attention"]) if step < first["first_divergence"]]
+    repeated = sum(a[layer]["repeated_max_rows"][head] for a in before if a and a[layer])
+    parts = {"positive cumulative δ error at the failing head": delta["cumulative"] > 0,
+             "that head's W_Q grows most and has the largest δ error": delta["largest_head"] == head,
+             "rows with a repeated maximum in that head": repeated > 0}
+    return {"status": "measured", "run": first["run"], "delta": delta, "repeated_max_rows_before": repeated,
+            "parts": parts, "met": all(parts.values())}
+
+
+def summarise(args) -> None:
+    arms = _collect(args.out)
     (args.out / "arms").mkdir(exist_ok=True)
     for arm, runs in arms.items():
         (args.out / "arms" / f"{arm}.json").write_text(json.dumps(runs))
-    result = verdict(arms) | {"diagnosis": diagnosis_commands(args.out, arms),
-                              "delta_per_arm": delta_commands(args.out, arms)}
+    measured = {arm: delta_at_growth_head(args.out / "delta" / arm / "delta-trace.json", min(runs, key=lambda r: r["run"]))
+                for arm, runs in arms.items()}
+    isolation = args.out / "isolate" / "isolation.json"
+    result = verdict(arms) | {"signatures": signatures(args.out, arms), "delta_per_arm": measured,
+                              "isolation": json.loads(isolation.read_text()) if isolation.exists() else None,
+                              "diagnosis": diagnosis_commands(args.out, arms),
+                              "delta_commands": delta_commands(args.out, arms)}
+    result["reproduced"] = result["training_parts_met"] and result["signatures"].get("met", False)
     (args.out / "verdict.json").write_text(json.dumps(result, indent=2))
     print(f"{'arm':<12}{'seeds':>6}{'steps':>16}{'diverged at':>24}{'best loss':>22}")
     for arm, runs in arms.items():
         print(f"{arm:<12}{len(runs):>6}{str([r['steps'] for r in runs]):>16}"
               f"{str([r['first_divergence'] for r in runs]):>24}{str([round(r['best_loss'], 3) for r in runs]):>22}")
-    print(json.dumps(result["parts"], indent=2))
-    for command in result["diagnosis"]:
-        print(command)
+    print(json.dumps({"training": result["parts"], "signatures": result["signatures"].get("parts"),
+                      "reproduced": result["reproduced"]}, indent=2))
+    for arm, delta in measured.items():
+        if delta is not None:
+            print(f"{arm:<12} cumulative δ error at layer {delta['layer']} head {delta['head']} over {delta['steps']} "
+                  f"steps: {delta['cumulative']:+.3e} (largest at head {delta['largest_head']})")
     _figures(args.out, arms)
+
+
+def finish(args) -> None:
+    """After the last training call: every arm's δ trace, the first failing run's δ trace and isolation, all at once
+    (one process each; the isolation trains its experiments side by side), stopped at the budget. What finished
+    is what `summarise` reads."""
+    arms = _collect(args.out)
+    commands = [*delta_commands(args.out, arms), *diagnosis_commands(args.out, arms)]
+    logs = args.out / "finish-logs"
+    logs.mkdir(exist_ok=True)
+    procs = []
+    for index, command in enumerate(commands):
+        words = shlex.split(command)
+        log = open(logs / f"{index:02d}-{words[1]}.log", "w")
+        log.write(command + "\n")
+        log.flush()
+        procs.append((command, subprocess.Popen([sys.executable, "-m", "stableflash", *words[1:]], stdout=log,
+                                                stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + args.budget_s
+    while any(p.poll() is None for _, p, _ in procs) and time.monotonic() < deadline:
+        time.sleep(2)
+    for command, p, log in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)  # the isolation's trainers checkpoint; a δ trace is lost
+        p.wait()
+        log.close()
+        print(f"exit {p.returncode}: {command}", flush=True)
+
+
+def pack(args) -> None:
+    """What the study's results folder keeps, as one archive: the summaries, the figure, the δ traces, the isolation
+    table, the logs and each run's records (no checkpoints, no compile cache)."""
+    import tarfile
+
+    def small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        parts = Path(info.name).parts
+        return None if info.name.endswith(".pt") or "cache" in parts[:2] else info
+
+    with tarfile.open(args.archive, "w:gz") as archive:
+        archive.add(args.out, arcname=args.out.name, filter=small)
+    print(f"wrote {args.archive} ({args.archive.stat().st_size / 1e6:.1f} MB)")
 
 
 def _figures(out: Path, arms: dict[str, list[dict]]) -> None:
@@ -241,10 +348,16 @@ def main():
     r.add_argument("--budget-s", type=float, default=540.0)
     r.add_argument("--steps", type=int, default=3000, help="train every run to this step (a later call may raise it)")
     r.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
+    f = sub.add_parser("finish")
+    f.add_argument("out", type=Path)
+    f.add_argument("--budget-s", type=float, default=240.0)
     s = sub.add_parser("summarise")
     s.add_argument("out", type=Path)
+    p = sub.add_parser("pack")
+    p.add_argument("out", type=Path)
+    p.add_argument("archive", type=Path)
     args = parser.parse_args()
-    (run if args.command == "run" else summarise)(args)
+    {"run": run, "finish": finish, "summarise": summarise, "pack": pack}[args.command](args)
 
 
 if __name__ == "__main__":

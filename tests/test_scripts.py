@@ -1,9 +1,11 @@
 """The research scripts run end to end on the CPU (tiny config, a few steps)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +101,8 @@ def test_dose_response_runs_its_arms_resumes_them_and_applies_its_rule(tmp_path)
                    check=True)  # stopped by the budget: each run keeps what it had checkpointed
     again = [json.loads(line) for line in (out / "runs" / "paper-s0" / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in again if "loss" in r][:40] == [r for r in first if "loss" in r]
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "dose_response.py"), "finish", str(out), "--budget-s", "240"],
+                   capture_output=True, text=True, timeout=300, check=True)  # δ per arm: no run diverged
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "dose_response.py"), "summarise", str(out)],
                             capture_output=True, text=True, timeout=120, check=True)
     for arm in ("paper", "e8m4-sr"):
@@ -108,7 +112,18 @@ def test_dose_response_runs_its_arms_resumes_them_and_applies_its_rule(tmp_path)
     assert 'rounding = "stochastic"' in config and 'pv = "e8m4"' in config
     verdict = json.loads((out / "verdict.json").read_text())
     assert verdict["parts"]["e8m4 diverges in >= 2 of 3"] is False and not verdict["training_parts_met"]
+    assert verdict["signatures"] == {"status": "no failing run"} and verdict["reproduced"] is False
+    for arm, delta in verdict["delta_per_arm"].items():  # each arm's δ under its own numerics
+        assert delta["steps"] == 10 and math.isfinite(delta["cumulative"]), arm
+    assert "stochastic" in verdict["delta_per_arm"]["e8m4-sr"]["low"]
+    assert "stochastic" not in verdict["delta_per_arm"]["paper"]["low"]
     assert (out / "dose-response.png").exists() and "e8m4-sr" in result.stdout
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "dose_response.py"), "pack", str(out),
+                    str(tmp_path / "dose.tgz")], capture_output=True, text=True, timeout=120, check=True)
+    with tarfile.open(tmp_path / "dose.tgz") as archive:
+        names = archive.getnames()
+    assert "dose/verdict.json" in names and "dose/runs/paper-s0/metrics.jsonl" in names
+    assert any(n.startswith("dose/delta/") for n in names) and not any(n.endswith(".pt") for n in names)
 
 
 def test_dose_response_divergence_rule():
@@ -142,6 +157,29 @@ def test_dose_response_measures_delta_in_every_arm_before_any_divergence(tmp_pat
     e8m3, fp32 = delta_commands(tmp_path, arms)
     assert "e8m3-s0/checkpoint-previous.pt" in e8m3 and "--layer 1" in e8m3 and str(tmp_path / "delta" / "e8m3") in e8m3
     assert "fp32-s0/checkpoint.pt" in fp32 and "--layer 4" in fp32
+
+
+def test_dose_response_signatures_read_the_first_failing_runs_delta_trace(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dose_response import signatures
+
+    def failing(cumulative, repeated):
+        run = {"run": "e8m4-s0", "first_divergence": 300, "wq_growth": {"layer": 1, "head": 2},
+               "monitor_steps": [100, 200, 300],
+               "attention": [[None, {"repeated_max_rows": [0, 0, n, 0]}] for n in (repeated, repeated, 99)]}
+        trace = {"low": "paper+pv=e8m4", "layer": 1, "steps": [240, 241], "sums": [], "cumulative": [[0] * 4, cumulative]}
+        (tmp_path / "diagnose-delta").mkdir(exist_ok=True)
+        (tmp_path / "diagnose-delta" / "delta-trace.json").write_text(json.dumps(trace))
+        return signatures(tmp_path, {"e8m4": [run], "fp32": [run | {"first_divergence": 10}]})
+
+    seed_like = failing([0.1, -0.2, 0.5, 0.0], repeated=3)
+    assert seed_like["run"] == "e8m4-s0" and seed_like["met"] and seed_like["repeated_max_rows_before"] == 6
+    other_head = failing([0.1, -0.2, 0.5, 0.9], repeated=3)
+    assert not other_head["parts"]["that head's W_Q grows most and has the largest δ error"]
+    negative = failing([0.1, -0.2, -0.5, -0.9], repeated=0)  # the divergence step's own count is not read
+    assert not negative["parts"]["positive cumulative δ error at the failing head"] and not negative["met"]
+    assert not negative["parts"]["rows with a repeated maximum in that head"]
+    assert signatures(tmp_path, {"fp32": [{"first_divergence": 10}]}) == {"status": "no failing run"}
 
 
 def test_dose_response_verdict_counts_a_run_stopped_short_as_not_holding():

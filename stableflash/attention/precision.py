@@ -268,8 +268,10 @@ class Precision:
     @classmethod
     def from_config(cls, cfg) -> Precision:
         """The policy an attention config describes (`stableflash.train.config.AttentionConfig`, or any object
-        with its fields): a preset, then its knobs in a fixed order. Validated here, once; a ValueError names the
-        config's field (`attention.precision`, `attention.sites.qk`, ...)."""
+        with its fields): a preset, its table of sites, then the knobs that change a part of it whatever the table
+        says (`pv_fp32`, `o_fp32`, one pass in another preset: the isolation's experiments on any run), then the
+        rounding mode and the per-head override. Validated here, once; a ValueError names the config's field
+        (`attention.precision`, `attention.sites.qk`, ...)."""
         def preset(name: str, value: str) -> Precision:
             if value not in PRESETS:
                 either = "'' or " if name.endswith("_precision") and name != "head_precision" else ""
@@ -283,14 +285,6 @@ class Precision:
             if cfg.delta not in DELTA_FORMULAS:
                 raise ValueError(f"attention.delta: expected one of {DELTA_FORMULAS}, got {cfg.delta!r}")
             policy = policy.with_delta(cfg.delta)
-        if cfg.pv_fp32:
-            policy = policy.with_pv_fp32()
-        if cfg.o_fp32:
-            policy = policy.with_o_fp32()
-        for which in ("forward", "backward"):
-            other = getattr(cfg, f"{which}_precision")
-            if other:
-                policy = policy.with_pass_of(which, preset(f"{which}_precision", other))
         if cfg.sites:
             if not isinstance(cfg.sites, dict):
                 raise ValueError(f"attention.sites: expected a table of site = format, got {cfg.sites!r}")
@@ -304,6 +298,14 @@ class Precision:
                     raise ValueError(f"attention.sites.{site}: expected 'input' or a format name like 'fp32', "
                                      f"got {fmt!r}") from None
             policy = policy.with_sites(**cfg.sites)
+        if cfg.pv_fp32:
+            policy = policy.with_pv_fp32()
+        if cfg.o_fp32:
+            policy = policy.with_o_fp32()
+        for which in ("forward", "backward"):
+            other = getattr(cfg, f"{which}_precision")
+            if other:
+                policy = policy.with_pass_of(which, preset(f"{which}_precision", other))
         if cfg.rounding != "nearest" or cfg.rounding_sites:
             if cfg.rounding not in ROUNDING_MODES:
                 raise ValueError(f"attention.rounding: expected one of {ROUNDING_MODES}, got {cfg.rounding!r}")

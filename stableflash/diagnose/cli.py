@@ -20,18 +20,29 @@ def _config(args):
     return cfg
 
 
+def _low(args, cfg):
+    """`--low` as (policy, stabilizer): a preset without one, or with `config` layer `--layer`'s attention as the
+    run trains it."""
+    if args.low != "config":
+        return args.low, None
+    attention = cfg.attention.layer_attention(args.layer)
+    return attention.precision, attention.stabilize
+
+
 def _delta(args) -> int:
     from stableflash.diagnose.delta import delta_trace, model_delta_errors, resumed_trainer
 
     cfg = _config(args)
+    low, stabilize = _low(args, cfg)
     with resumed_trainer(cfg, args.checkpoint, args.replay) as trainer:
         x, y = next(iter(trainer.micro_batches(trainer.step)))
-        errors = model_delta_errors(trainer.model, x, y, args.low, args.high)
+        errors = model_delta_errors(trainer.model, x, y, low, args.high, stabilize=stabilize)
     path = errors.save(args.out / "delta.json")
     for i, layer in enumerate(errors.layers):
         print(f"layer {i}: δ error sum per head " + " ".join(f"{v:+.3e}" for v in layer["sum"]))
     if args.steps > 0:
-        trace = delta_trace(cfg, args.checkpoint, args.replay, args.steps, layer=args.layer, low=args.low, high=args.high)
+        trace = delta_trace(cfg, args.checkpoint, args.replay, args.steps, layer=args.layer, low=low, high=args.high,
+                            stabilize=stabilize)
         print(f"δ trace over {args.steps} steps, layer {args.layer}: final cumulative sum per head "
               + " ".join(f"{v:+.3e}" for v in trace.cumulative[-1]))
         trace.save(args.out / "delta-trace.json")
@@ -150,7 +161,8 @@ def add_commands(sub) -> None:
             q.add_argument("--checkpoint", required=True, help="run folder or checkpoint.pt")
             q.add_argument("--replay", default=None, help="run folder whose batches.jsonl to replay")
             q.add_argument("--set", dest="overrides", action="append", default=[])
-            q.add_argument("--low", default="paper")
+            q.add_argument("--low", default="paper", help="a preset (default paper); for delta also 'config': "
+                           "layer --layer's attention as the config trains it, its stabilizer included")
             q.add_argument("--high", default="fp64")
             q.add_argument("--layer", type=int, default=0)
 

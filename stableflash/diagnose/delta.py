@@ -44,12 +44,20 @@ class DeltaErrors(Record):
     layers: list[dict]
 
 
-def model_delta_errors(model, x, y, low: str = "paper", high: str = "fp64") -> DeltaErrors:
-    """δ errors of every layer on batch (x, y): the model's own forward/backward gives q, k, v and dO."""
+def _name(policy: str | Precision, stabilize=None) -> str:
+    name = policy if isinstance(policy, str) else policy.name
+    return name if stabilize is None else f"{name}+{type(stabilize).__name__}"
+
+
+def model_delta_errors(model, x, y, low: str | Precision = "paper", high: str = "fp64", *,
+                       stabilize=None) -> DeltaErrors:
+    """δ errors of every layer on batch (x, y): the model's own forward/backward gives q, k, v and dO; `low` runs
+    with `stabilize`."""
     captures = capture_attention(model, x, y)
     model.zero_grad(set_to_none=True)
-    return DeltaErrors(low=str(low), high=str(high),
-                       layers=[summarize(delta_error(c.q, c.k, c.v, c.dout, low, high)) for c in captures])
+    return DeltaErrors(low=_name(low, stabilize), high=str(high),
+                       layers=[summarize(delta_error(c.q, c.k, c.v, c.dout, low, high, stabilize=stabilize))
+                               for c in captures])
 
 
 @dataclass
@@ -95,11 +103,13 @@ def replayed_captures(cfg, checkpoint: str | Path, replay: str | Path | None, st
 
 
 def delta_trace(cfg, checkpoint: str | Path, replay: str | Path | None, steps: int, *, layer: int = 0,
-                low: str = "paper", high: str = "fp64") -> DeltaTrace:
-    """The layer's δ error summed per head on each replayed step's first micro-batch, and its running sum."""
+                low: str | Precision = "paper", high: str = "fp64", stabilize=None) -> DeltaTrace:
+    """The layer's δ error summed per head on each replayed step's first micro-batch, and its running sum; `low`
+    runs with `stabilize`."""
     step_ids, sums = [], []
     for step, c in replayed_captures(cfg, checkpoint, replay, steps, layer):
-        sums.append(delta_error(c.q, c.k, c.v, c.dout, low, high).sum(dim=(0, 2)).tolist())
+        sums.append(delta_error(c.q, c.k, c.v, c.dout, low, high, stabilize=stabilize).sum(dim=(0, 2)).tolist())
         step_ids.append(step)
     running = torch.tensor(sums, dtype=torch.float64).cumsum(0).tolist() if sums else []
-    return DeltaTrace(low=low, high=high, layer=layer, steps=step_ids, sums=sums, cumulative=running)
+    return DeltaTrace(low=_name(low, stabilize), high=high, layer=layer, steps=step_ids, sums=sums,
+                      cumulative=running)

@@ -161,6 +161,21 @@ def test_report_embeds_every_figure(base_run, tmp_path):
         build_report([tmp_path / "nope"], tmp_path / "r.html")
 
 
+def test_cli_diagnose_delta_takes_the_runs_own_attention_with_low_config(base_run, tmp_path):
+    """`--low config`: δ's error under the attention the config trains with (here the P̄V path in e8m3 and SFA), not
+    under `paper`: another policy's name in the trace, other errors."""
+    run, overrides = base_run
+    traces = {}
+    for low, extra in (("paper", []), ("config", ["attention.sites.pv=e8m3", "attention.stabilize=sfa-bounded"])):
+        sets = [a for o in [*overrides, "run.max_steps=12", *extra] for a in ("--set", o)]
+        assert main(["diagnose", "delta", "--config", "tiny-cpu", "--checkpoint", str(run), "--steps", "1",
+                     "--low", low, "--out", str(tmp_path / low), *sets]) == 0
+        traces[low] = json.loads((tmp_path / low / "delta-trace.json").read_text())
+    assert traces["paper"]["low"] == "paper"
+    assert "pv=e8m3" in traces["config"]["low"] and traces["config"]["low"].endswith("+SFA")
+    assert traces["config"]["cumulative"] != traces["paper"]["cumulative"]
+
+
 def test_cli_diagnose_delta_and_decompose(base_run, tmp_path, capsys):
     run, overrides = base_run
     sets = [a for o in [*overrides, "run.max_steps=12"] for a in ("--set", o)]
