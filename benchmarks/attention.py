@@ -101,6 +101,21 @@ def main():
         return
     shapes = parse_shapes(args.shapes, SHAPES)
     rows = []
+    meta = run_meta() | {
+        "dtype": "bf16", "causal": True, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
+        "flops": "fwd 4*B*H*T^2*D/2, fwd+bwd 3.5x",
+        "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed",
+        "fwdbwd_tflops_cudagraph": "forward+backward replayed from a CUDA graph: device time, no host work",
+        # on sm_90 our native forward is the Gluon kernel where `hopper.FORWARD_TILES` has a tile
+        "gluon_forward": kernels.options.current().hopper_forward and torch.cuda.get_device_capability() == (9, 0)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(complete: bool) -> None:
+        # after every row, so that a run cut short keeps what it measured; with the autotuner's pick for each
+        # launch of our kernels (key: kernel, candidates, T, dtype, switches)
+        args.out.write_text(json.dumps({"meta": meta | {"complete": complete}, "rows": rows,
+                                        "tile_picks": kernels.tile_picks_state_dict()}, indent=2))
+
     print(f"{'shape':<22}{'impl':<24}{'fwd':>10}{'fwd+bwd':>10}{'fwd graph':>11}{'f+b graph':>11}   TFLOP/s")
     for shape in shapes:
         B, H, T, D = shape
@@ -126,17 +141,9 @@ def main():
             rows.append(row)
             print(f"{str(shape):<22}{name:<24}{_fmt(row['fwd_tflops']):>10}{_fmt(row['fwdbwd_tflops']):>10}"
                   f"{_fmt(row.get('fwd_tflops_cudagraph')):>11}{_fmt(row.get('fwdbwd_tflops_cudagraph')):>11}", flush=True)
+            write(complete=False)
 
-    meta = run_meta() | {
-        "dtype": "bf16", "causal": True, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
-        "flops": "fwd 4*B*H*T^2*D/2, fwd+bwd 3.5x",
-        "fwd_tflops_cudagraph": "forward replayed from a CUDA graph (do_bench_cudagraph): launch overhead removed",
-        "fwdbwd_tflops_cudagraph": "forward+backward replayed from a CUDA graph: device time, no host work",
-        # on sm_90 our native forward is the Gluon kernel where `hopper.FORWARD_TILES` has a tile
-        "gluon_forward": kernels.options.current().hopper_forward and torch.cuda.get_device_capability() == (9, 0)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    # which tile the autotuner picked for each launch of our kernels (key: kernel, candidates, T, dtype, switches)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "tile_picks": kernels.tile_picks_state_dict()}, indent=2))
+    write(complete=True)
     print_summary(rows)
 
 

@@ -129,11 +129,15 @@ def main():
     args = parser.parse_args()
     flex = torch.compile(flex_attention)
     print(f"{'case':<14}{'impl':<18}{'ms':>9}{'TFLOP/s':>10}{'vs flex':>9}")
-    rows = [row for name in args.cases.split(",") for row in measure_case(name, flex)]
     meta = run_meta() | {"dtype": "bf16", "timing": "triton.testing.do_bench median, forward+backward",
                          "flops": "3.5 * 4 * D per visible (query, key) pair and head"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    rows, names = [], args.cases.split(",")
+    for index, name in enumerate(names):
+        rows += measure_case(name, flex)
+        # after every case, so that a run cut short keeps what it measured
+        complete = index == len(names) - 1
+        args.out.write_text(json.dumps({"meta": meta | {"complete": complete}, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores).
-#   scripts/gpu_suite.sh OUTDIR [tests|bench|train|profile|agreement|cost|narrow|gqa|masked|hf]...   (default: tests bench)
+#   scripts/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf]...
+#   (default: tests bench)
 # train: the compiled training step's throughput, sdpa against our kernels, six interleaved rounds
 # profile: a profile of the compiled training step
 # agreement: how often the emulated presets give the reference's bits (scripts/emulation_agreement.py)
@@ -21,6 +22,15 @@ for part in $parts; do
   case $part in
     tests) python3 -m pytest -n 10 -m gpu -q -rs -p no:cacheprovider tests/ --junitxml "$out/gpu-tests.xml" \
              2>&1 | tee "$out/gpu-tests.log" | tail -25; status=$((status | PIPESTATUS[0])) ;;
+    # the suite in two halves of ~5 minutes each on 16 workers, for calls of at most 10 minutes; -v names each
+    # result as it comes (a call cut short still says which passed), --timeout a hung test
+    tests-emulation|tests-rest)
+      select="emulation or rounding or narrow or stochastic"
+      [ "$part" = tests-rest ] && select="not ($select)"
+      python3 -m pytest -n 16 -m gpu -v --tb=short -rfE --timeout 300 -p no:cacheprovider tests/ -k "$select" \
+        --junitxml "$out/$part.xml" > "$out/$part.log" 2>&1; status=$((status | $?))
+      grep -E "(PASSED|FAILED|ERROR) tests" "$out/$part.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' \
+        | cut -d' ' -f1 | sort | uniq -c; tail -3 "$out/$part.log" ;;
     bench) python3 benchmarks/attention.py --out "$out/attention-bench-h200.json" 2>&1 | tee "$out/attention-bench.log" ;;
     # six interleaved rounds, judged on the median of each round's ratio: one round spreads about 2% (the first round
     # compiles, ~150 s; later ones ~7 s each)
