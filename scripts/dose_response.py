@@ -125,9 +125,11 @@ def summarise_run(folder: Path) -> dict:
                           key=lambda lh: rise[lh[0]][lh[1]])
         growth = {"layer": layer, "head": head, "ratio": rise[layer][head]}
     attention = [r.get("attention") for r in monitor if r.get("attention")]
-    # the trainer's own loss stop (non-finite or spiking loss) counts as a divergence where the rule saw none yet
+    # the diverging step (the metrics' steps count from 1; `first_divergence` gives an index into the losses), or the
+    # trainer's own loss stop (non-finite or spiking loss) where the rule saw none yet
+    rule = first_divergence(losses)
     stops = [e["step"] for e in _jsonl(folder / "events.jsonl") if e.get("kind") == "stop"]
-    diverged = [s for s in (first_divergence(losses), *stops[:1]) if s is not None]
+    diverged = [s for s in (None if rule is None else rule + 1, *stops[:1]) if s is not None]
     return {"steps": len(losses), "best_loss": min((x for x in losses if math.isfinite(x)), default=math.nan),
             "final_loss": losses[-1] if losses else math.nan, "first_divergence": min(diverged, default=None),
             "losses": losses[:: max(1, len(losses) // 500)], "monitor_steps": [r["step"] for r in monitor],
@@ -166,22 +168,32 @@ def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
         return []
     first = min(failing, key=lambda r: r["first_divergence"])
     run = out / "runs" / first["run"]
-    before = run / "checkpoint-previous.pt"
+    before = checkpoint_before(run, first["first_divergence"])
     layer = first["wq_growth"]["layer"] if first["wq_growth"] else 0
     until = first["first_divergence"] + ISOLATION_MARGIN
     # no --replay: the isolation trains past the run's last recorded batch, and the batches are a pure function of
-    # seed and step
-    return [f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {before} "
-            f"--low config --steps {DELTA_STEPS} --layer {layer} --out {out / 'diagnose-delta'}",
-            f"stableflash isolate --config {run / 'config.toml'} --from-checkpoint {before} "
-            f"--experiments {ISOLATION} --layer {layer} --jobs {len(ISOLATION.split(','))} "
-            f"--set run.max_steps={until} --out {out / 'isolate'}"]
+    # seed and step. Without a checkpoint before the divergence, the isolation trains from the same initialisation.
+    isolate = (f"stableflash isolate --config {run / 'config.toml'} "
+               + (f"--from-checkpoint {before} " if before else "")
+               + f"--experiments {ISOLATION} --layer {layer} --jobs {len(ISOLATION.split(','))} "
+               f"--set run.max_steps={until} --out {out / 'isolate'}")
+    delta = (f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {before} "
+             f"--low config --steps {DELTA_STEPS} --layer {layer} --out {out / 'diagnose-delta'}")
+    return [delta, isolate] if before else [isolate]
+
+
+def checkpoint_before(run: Path, step: int) -> Path | None:
+    """The run's last kept interval checkpoint (`run.keep_interval_checkpoints`) before its diverging `step`: one of
+    at most `step - 1` trained steps."""
+    kept = {int(p.stem.split("-")[1]): p for p in run.glob("checkpoint-[0-9]*.pt")}
+    steps = [trained for trained in kept if trained < step]
+    return kept[max(steps)] if steps else None
 
 
 def delta_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
     """Per arm, for its first seed's run: the signed cumulative δ error at the layer whose W_Q head grew most (the
-    sign of predictions 3 and 5), under the arm's own numerics, from its latest checkpoint, or from the one before
-    it where the run diverged."""
+    sign of predictions 3 and 5), under the arm's own numerics, from its latest checkpoint, or from the last one
+    before its divergence (none: the arm is left out)."""
     commands = []
     for arm, runs in arms.items():
         first = min(runs, key=lambda r: r["run"])
@@ -189,7 +201,9 @@ def delta_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
         diverged = first["first_divergence"] is not None
         # no --replay: after the last checkpoint the run recorded no batches; the trainer draws them as the run
         # would have (a pure function of seed and step)
-        source = run / ("checkpoint-previous.pt" if diverged else "checkpoint.pt")
+        source = checkpoint_before(run, first["first_divergence"]) if diverged else run / "checkpoint.pt"
+        if source is None:
+            continue
         layer = first["wq_growth"]["layer"] if first["wq_growth"] else 0
         commands.append(f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {source} --low config "
                         f"--steps {DELTA_STEPS} --layer {layer} --out {out / 'delta' / arm}")

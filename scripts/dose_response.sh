@@ -15,7 +15,7 @@ finish=${3:-0}
 mkdir -p "$out/cache"
 export TORCHINDUCTOR_CACHE_DIR=$out/cache/inductor TRITON_CACHE_DIR=$out/cache/triton
 python3 scripts/dose_response.py run --out "$out" --budget-s $((budget - finish)) --config study-6l \
-  --steps 3000 --set run.keep_previous_checkpoint=true --set data.dataset=debian-docs --set data.data_dir=data --set model.vocab_size=8192
+  --steps 3000 --set run.keep_interval_checkpoints=true --set data.dataset=debian-docs --set data.data_dir=data --set model.vocab_size=8192
 if [ "$finish" -gt 0 ]; then
   python3 scripts/dose_response.py finish "$out" --budget-s "$finish"
 fi

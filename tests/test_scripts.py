@@ -135,6 +135,20 @@ def test_dose_response_divergence_rule():
     assert first_divergence([5.0, float("nan")]) == 1
 
 
+def test_dose_response_names_the_diverging_step_as_the_metrics_count_it(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dose_response import summarise_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    losses = [5.0, 4.0, 3.0, 4.5, 4.6]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x}) + "\n"
+                                               for i, x in enumerate(losses)))
+    assert summarise_run(run)["first_divergence"] == 4  # step 4's loss is 1.5 above the best
+    (run / "events.jsonl").write_text(json.dumps({"step": 2, "kind": "stop", "reason": "loss spike"}) + "\n")
+    assert summarise_run(run)["first_divergence"] == 2  # the trainer's stop, earlier
+
+
 def test_dose_response_points_the_diagnosis_at_the_first_divergence(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     from dose_response import diagnosis_commands
@@ -142,8 +156,16 @@ def test_dose_response_points_the_diagnosis_at_the_first_divergence(tmp_path):
     arms = {"e8m4": [{"run": "e8m4-s0", "first_divergence": 900, "wq_growth": {"layer": 2}},
                      {"run": "e8m4-s1", "first_divergence": None, "wq_growth": None}],
             "e8m3": [{"run": "e8m3-s0", "first_divergence": 400, "wq_growth": {"layer": 1}}]}
+    (tmp_path / "runs" / "e8m3-s0").mkdir(parents=True)
+    for step in (250, 399, 400, 500):  # kept interval checkpoints: 399 trained steps come just before step 400
+        (tmp_path / "runs" / "e8m3-s0" / f"checkpoint-{step:06d}.pt").touch()
     delta, isolate = diagnosis_commands(tmp_path, arms)
-    assert "e8m3-s0/checkpoint-previous.pt" in delta and "--layer 1" in delta and "isolate" in isolate
+    assert "e8m3-s0/checkpoint-000399.pt" in delta and "--layer 1" in delta
+    assert "isolate" in isolate and "--from-checkpoint" in isolate and "run.max_steps=500" in isolate
+    for step in (250, 399):
+        (tmp_path / "runs" / "e8m3-s0" / f"checkpoint-{step:06d}.pt").unlink()
+    (only,) = diagnosis_commands(tmp_path, arms)  # no checkpoint before: the isolation from the initialisation
+    assert "isolate" in only and "--from-checkpoint" not in only
     assert diagnosis_commands(tmp_path, {"fp32": [{"run": "fp32-s0", "first_divergence": 5, "wq_growth": None}]}) == []
 
 
@@ -154,8 +176,10 @@ def test_dose_response_measures_delta_in_every_arm_before_any_divergence(tmp_pat
     arms = {"e8m3": [{"run": "e8m3-s1", "first_divergence": None, "wq_growth": None},
                      {"run": "e8m3-s0", "first_divergence": 400, "wq_growth": {"layer": 1}}],
             "fp32": [{"run": "fp32-s0", "first_divergence": None, "wq_growth": {"layer": 4}}]}
+    (tmp_path / "runs" / "e8m3-s0").mkdir(parents=True)
+    (tmp_path / "runs" / "e8m3-s0" / "checkpoint-000250.pt").touch()
     e8m3, fp32 = delta_commands(tmp_path, arms)
-    assert "e8m3-s0/checkpoint-previous.pt" in e8m3 and "--layer 1" in e8m3 and str(tmp_path / "delta" / "e8m3") in e8m3
+    assert "e8m3-s0/checkpoint-000250.pt" in e8m3 and "--layer 1" in e8m3 and str(tmp_path / "delta" / "e8m3") in e8m3
     assert "fp32-s0/checkpoint.pt" in fp32 and "--layer 4" in fp32
 
 

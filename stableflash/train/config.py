@@ -249,6 +249,9 @@ class RunConfig:
     keep_previous_checkpoint: bool = False
     """Also keep the checkpoint before the latest (`checkpoint-previous.pt`): after a stop on a diverging loss,
     the state before the divergence, for its diagnosis."""
+    keep_interval_checkpoints: bool = False
+    """Also keep every interval's checkpoint as `checkpoint-STEP.pt` (STEP zero-padded to 6 digits): a run that
+    trains on past a divergence still has the state just before it."""
     log_interval: int = 1
     deterministic: bool = True
     """torch.use_deterministic_algorithms and a fixed CPU thread count (bit-identical reruns on CPU, on any

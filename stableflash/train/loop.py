@@ -220,18 +220,22 @@ class Trainer:
             dist.barrier()
 
     def _keep_previous_checkpoint(self) -> None:
-        """The latest checkpoint becomes `checkpoint-previous.pt` before a new one replaces it: by a hard link
-        (no copy; the latest stays in place until the new one is written) where the filesystem has them."""
+        """The latest checkpoint becomes `checkpoint-previous.pt` before a new one replaces it."""
+        self._keep_latest_as(PREVIOUS_CHECKPOINT)
+
+    def _keep_latest_as(self, name: str) -> None:
+        """The latest checkpoint also under `name`: by a hard link (no copy; a new latest is a new file, so the link
+        keeps this one) where the filesystem has them."""
         latest = self.run_dir / "checkpoint.pt"
         if not latest.exists():
             return
-        tmp = self.run_dir / (PREVIOUS_CHECKPOINT + ".tmp")
+        tmp = self.run_dir / (name + ".tmp")
         tmp.unlink(missing_ok=True)
         try:
             os.link(latest, tmp)
         except OSError:
             shutil.copyfile(latest, tmp)
-        os.replace(tmp, self.run_dir / PREVIOUS_CHECKPOINT)
+        os.replace(tmp, self.run_dir / name)
 
     def _load(self) -> None:
         state = load_checkpoint(self.run_dir, map_location=self.device)
@@ -496,6 +500,8 @@ class Trainer:
                         self.tensorboard.add_scalar("val/loss", val, self.step)
                 if cfg.run.checkpoint_interval and self.step % cfg.run.checkpoint_interval == 0:
                     self.save()
+                    if cfg.run.keep_interval_checkpoints and self.is_main:
+                        self._keep_latest_as(f"checkpoint-{self.step:06d}.pt")
                 if signalled:
                     stop_reason = f"signal {stop.received or 'on another rank'}"
                     break

@@ -213,6 +213,20 @@ def test_the_previous_checkpoint_is_kept_when_asked(tmp_path, tiny):
     assert not (other / PREVIOUS_CHECKPOINT).exists()
 
 
+def test_every_interval_checkpoint_is_kept_when_asked(tmp_path, tiny):
+    """`run.keep_interval_checkpoints`: each interval's checkpoint stays as checkpoint-STEP.pt, whole and loadable,
+    after later ones replaced the latest (and the stop's own checkpoint is not one of them)."""
+    from stableflash.train.checkpoint import load_checkpoint
+    from stableflash.train.loop import train
+
+    run = tmp_path / "run"
+    train(tiny("run.max_steps=7", "run.checkpoint_interval=3", "run.keep_interval_checkpoints=true"), run)
+    kept = sorted(p.name for p in run.glob("checkpoint-*.pt"))
+    assert kept == ["checkpoint-000003.pt", "checkpoint-000006.pt"]
+    assert [load_checkpoint(run, name=name)["step"] for name in kept] == [3, 6]
+    assert load_checkpoint(run)["step"] == 7 and not list(run.glob("*.tmp*"))
+
+
 def test_a_checkpoint_with_pickled_layer_attentions_still_resumes(tmp_path, tiny):
     """Earlier versions pickled each layer's `LayerAttention` into the checkpoint (now: its config): such a
     checkpoint still resumes, with the attention it saved."""
