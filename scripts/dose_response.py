@@ -75,15 +75,22 @@ def run(args) -> None:
                 command += ["--set", item]
             logs.append(open(args.out / f"{arm}-s{seed}.log", "a"))
             procs.append((folder, subprocess.Popen(command, stdout=logs[-1], stderr=subprocess.STDOUT)))
-    deadline = time.monotonic() + args.budget_s
-    while any(p.poll() is None for _, p in procs) and time.monotonic() < deadline:
+    _within_budget([p for _, p in procs], logs, args.budget_s)
+    for folder, p in procs:
+        print(f"{folder.name}: exit {p.returncode}, step {_steps(folder)}", flush=True)
+
+
+def _within_budget(procs: list[subprocess.Popen], logs: list, budget_s: float) -> None:
+    """Wait for the processes for at most `budget_s`, then stop the rest with SIGTERM (a trainer checkpoints on it
+    and exits 143), all at once, and wait for them; close their logs."""
+    deadline = time.monotonic() + budget_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(2)
-    for _, p in procs:  # the trainer checkpoints on SIGTERM and exits 143
+    for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    for folder, p in procs:
+    for p in procs:
         p.wait()
-        print(f"{folder.name}: exit {p.returncode}, step {_steps(folder)}", flush=True)
     for log in logs:
         log.close()
 
@@ -160,13 +167,22 @@ def verdict(arms: dict[str, list[dict]]) -> dict:
             "runs_stopped_short_without_divergence": {arm: s for arm, s in short.items() if s}}
 
 
+def first_failure(arms: dict[str, list[dict]]) -> dict | None:
+    """The nearest-rounding arms' run that diverged first, or None."""
+    failing = [r for arm in ("e8m3", "e8m4", "paper") for r in arms.get(arm, []) if r["first_divergence"] is not None]
+    return min(failing, key=lambda r: r["first_divergence"]) if failing else None
+
+
+def _first_seed(runs: list[dict]) -> dict:
+    return min(runs, key=lambda r: r["run"])
+
+
 def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
     """For the first run to diverge (of the nearest-rounding arms): the signed cumulative δ error at the layer whose
     W_Q head grew most, and the seed's isolation, both from the checkpoint before its divergence."""
-    failing = [r for arm in ("e8m3", "e8m4", "paper") for r in arms.get(arm, []) if r["first_divergence"] is not None]
-    if not failing:
+    first = first_failure(arms)
+    if first is None:
         return []
-    first = min(failing, key=lambda r: r["first_divergence"])
     run = out / "runs" / first["run"]
     before = checkpoint_before(run, first["first_divergence"])
     layer = first["wq_growth"]["layer"] if first["wq_growth"] else 0
@@ -196,7 +212,7 @@ def delta_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
     before its divergence (none: the arm is left out)."""
     commands = []
     for arm, runs in arms.items():
-        first = min(runs, key=lambda r: r["run"])
+        first = _first_seed(runs)
         run = out / "runs" / first["run"]
         diverged = first["first_divergence"] is not None
         # no --replay: after the last checkpoint the run recorded no batches; the trainer draws them as the run
@@ -237,10 +253,9 @@ def signatures(out: Path, arms: dict[str, list[dict]]) -> dict:
     whose W_Q grew most, that head the one with the largest δ error, and rows with a repeated maximum in that head
     before the divergence (the monitor's count: more than one score within eps of a tile's maximum, where P̄ = 1
     repeats)."""
-    failing = [r for arm in ("e8m3", "e8m4", "paper") for r in arms.get(arm, []) if r["first_divergence"] is not None]
-    if not failing:
+    first = first_failure(arms)
+    if first is None:
         return {"status": "no failing run"}
-    first = min(failing, key=lambda r: r["first_divergence"])
     delta = delta_at_growth_head(out / "diagnose-delta" / "delta-trace.json", first)
     if delta is None:
         return {"status": "open: no δ trace of the first failing run", "run": first["run"]}
@@ -259,7 +274,7 @@ def summarise(args) -> None:
     (args.out / "arms").mkdir(exist_ok=True)
     for arm, runs in arms.items():
         (args.out / "arms" / f"{arm}.json").write_text(json.dumps(runs))
-    measured = {arm: delta_at_growth_head(args.out / "delta" / arm / "delta-trace.json", min(runs, key=lambda r: r["run"]))
+    measured = {arm: delta_at_growth_head(args.out / "delta" / arm / "delta-trace.json", _first_seed(runs))
                 for arm, runs in arms.items()}
     isolation = args.out / "isolate" / "isolation.json"
     result = verdict(arms) | {"signatures": signatures(args.out, arms), "delta_per_arm": measured,
@@ -289,22 +304,16 @@ def finish(args) -> None:
     commands = [*delta_commands(args.out, arms), *diagnosis_commands(args.out, arms)]
     logs = args.out / "finish-logs"
     logs.mkdir(exist_ok=True)
-    procs = []
+    procs, files = [], []
     for index, command in enumerate(commands):
         words = shlex.split(command)
-        log = open(logs / f"{index:02d}-{words[1]}.log", "w")
-        log.write(command + "\n")
-        log.flush()
-        procs.append((command, subprocess.Popen([sys.executable, "-m", "stableflash", *words[1:]], stdout=log,
-                                                stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + args.budget_s
-    while any(p.poll() is None for _, p, _ in procs) and time.monotonic() < deadline:
-        time.sleep(2)
-    for command, p, log in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)  # the isolation's trainers checkpoint; a δ trace is lost
-        p.wait()
-        log.close()
+        files.append(open(logs / f"{index:02d}-{words[1]}.log", "w"))
+        files[-1].write(command + "\n")
+        files[-1].flush()
+        procs.append(subprocess.Popen([sys.executable, "-m", "stableflash", *words[1:]], stdout=files[-1],
+                                      stderr=subprocess.STDOUT))
+    _within_budget(procs, files, args.budget_s)  # a δ trace stopped early is lost; the isolation keeps what finished
+    for command, p in zip(commands, procs):
         print(f"exit {p.returncode}: {command}", flush=True)
 
 
