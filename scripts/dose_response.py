@@ -122,7 +122,8 @@ def first_divergence(losses: list[float]) -> int | None:
 
 
 def summarise_run(folder: Path) -> dict:
-    losses = [m["loss"] for m in _jsonl(folder / "metrics.jsonl") if "loss" in m]
+    records = [m for m in _jsonl(folder / "metrics.jsonl") if "loss" in m]
+    losses = [m["loss"] for m in records]
     monitor = [r for r in _jsonl(folder / "monitor.jsonl") if "spectral" in r]
     wq = [[[float(x) for x in heads] for heads in r["spectral"]["q"]] for r in monitor]  # step, layer, head
     growth = None
@@ -139,7 +140,8 @@ def summarise_run(folder: Path) -> dict:
     diverged = [s for s in (None if rule is None else rule + 1, *stops[:1]) if s is not None]
     return {"steps": len(losses), "best_loss": min((x for x in losses if math.isfinite(x)), default=math.nan),
             "final_loss": losses[-1] if losses else math.nan, "first_divergence": min(diverged, default=None),
-            "losses": losses[:: max(1, len(losses) // 500)], "monitor_steps": [r["step"] for r in monitor],
+            "losses": losses, "grad_norms": [m.get("grad_norm", math.nan) for m in records],
+            "monitor_steps": [r["step"] for r in monitor],
             "wq_spectral": wq, "wq_growth": growth, "attention": attention}
 
 
@@ -165,6 +167,32 @@ def verdict(arms: dict[str, list[dict]]) -> dict:
     return {"parts": parts, "training_parts_met": all(parts.values()),
             "median_first_divergence": {arm: median_step(arm) for arm in arms},
             "runs_stopped_short_without_divergence": {arm: s for arm, s in short.items() if s}}
+
+
+COMMON_WINDOW = 20
+"""Steps before the common step over which `at_common_step` reads each run's loss and gradient norm."""
+
+
+def at_common_step(arms: dict[str, list[dict]]) -> dict:
+    """Every run read at one step (added after the run, docs/dose-response.md says why): the last step that every
+    run which trained at least SHORTEST_HOLD steps reached, since the runs trained unevenly far. Per run: diverged by
+    then, the mean loss and the largest gradient norm over the COMMON_WINDOW steps before it, and the largest W_Q
+    spectral norm of any head at the last monitor record up to it; None for a run that stopped before it."""
+    reached = [r["steps"] for runs in arms.values() for r in runs if r["steps"] >= SHORTEST_HOLD]
+    if not reached:
+        return {}
+    step = min(reached)
+    window = slice(step - COMMON_WINDOW, step)
+
+    def read(r: dict) -> dict | None:
+        if r["steps"] < step:
+            return None
+        wq = [max(max(heads) for heads in s) for at, s in zip(r["monitor_steps"], r["wq_spectral"]) if at <= step]
+        return {"run": r["run"], "diverged": r["first_divergence"] is not None and r["first_divergence"] <= step,
+                "loss": sum(r["losses"][window]) / COMMON_WINDOW, "grad_norm_max": max(r["grad_norms"][window]),
+                "wq_max": wq[-1] if wq else None}
+
+    return {"step": step, "arms": {arm: [read(r) for r in runs] for arm, runs in arms.items()}}
 
 
 def first_failure(arms: dict[str, list[dict]]) -> dict | None:
@@ -277,7 +305,8 @@ def summarise(args) -> None:
     measured = {arm: delta_at_growth_head(args.out / "delta" / arm / "delta-trace.json", _first_seed(runs))
                 for arm, runs in arms.items()}
     isolation = args.out / "isolate" / "isolation.json"
-    result = verdict(arms) | {"signatures": signatures(args.out, arms), "delta_per_arm": measured,
+    result = verdict(arms) | {"at_common_step": at_common_step(arms),
+                              "signatures": signatures(args.out, arms), "delta_per_arm": measured,
                               "isolation": json.loads(isolation.read_text()) if isolation.exists() else None,
                               "diagnosis": diagnosis_commands(args.out, arms),
                               "delta_commands": delta_commands(args.out, arms)}
@@ -289,6 +318,15 @@ def summarise(args) -> None:
               f"{str([r['first_divergence'] for r in runs]):>24}{str([round(r['best_loss'], 3) for r in runs]):>22}")
     print(json.dumps({"training": result["parts"], "signatures": result["signatures"].get("parts"),
                       "reproduced": result["reproduced"]}, indent=2))
+    common = result["at_common_step"]
+    if common:
+        print(f"at step {common['step']} (post hoc): diverged / loss / largest gradient norm / largest W_Q norm, "
+              f"over the {COMMON_WINDOW} steps before it")
+        for arm, reads in common["arms"].items():
+            cells = ["stopped before" if c is None else
+                     f"{'D' if c['diverged'] else '-'} {c['loss']:.2f} {c['grad_norm_max']:5.1f} {c['wq_max'] or math.nan:5.2f}"
+                     for c in reads]
+            print(f"  {arm:<12}" + " | ".join(cells))
     for arm, delta in measured.items():
         if delta is not None:
             print(f"{arm:<12} cumulative δ error at layer {delta['layer']} head {delta['head']} over {delta['steps']} "
@@ -339,8 +377,9 @@ def _figures(out: Path, arms: dict[str, list[dict]]) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for arm, runs in arms.items():
         for i, r in enumerate(runs):
-            axes[0].plot(r["losses"], label=arm if i == 0 else None, color=f"C{list(arms).index(arm)}", lw=0.8)
-    axes[0].set(title="loss (subsampled)", xlabel="record", ylabel="loss")
+            axes[0].plot(range(1, len(r["losses"]) + 1), r["losses"], label=arm if i == 0 else None,
+                         color=f"C{list(arms).index(arm)}", lw=0.8)
+    axes[0].set(title="loss", xlabel="step", ylabel="loss")
     axes[0].legend(fontsize=7)
     for arm, bits in FRACTION_BITS.items():
         steps = [r["first_divergence"] for r in arms.get(arm, [])]

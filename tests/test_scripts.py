@@ -220,3 +220,31 @@ def test_dose_response_verdict_counts_a_run_stopped_short_as_not_holding():
     assert result["parts"]["e8m4-sr holds in 3 of 3"] is True
     assert result["parts"]["e8m3 before e8m4"] is True and result["parts"]["e8m4 diverges in >= 2 of 3"] is True
     assert result["runs_stopped_short_without_divergence"] == {"fp32": [SHORTEST_HOLD - 1]}
+
+
+def test_dose_response_reads_every_run_at_one_common_step():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dose_response import COMMON_WINDOW, SHORTEST_HOLD, at_common_step
+
+    def run(name, steps, diverged=None, wq=1.0):
+        losses = [3.0] * steps
+        if diverged:
+            losses[diverged - 1:] = [9.0] * (steps - diverged + 1)
+        return {"run": name, "steps": steps, "first_divergence": diverged, "losses": losses,
+                "grad_norms": [float(i) for i in range(steps)], "monitor_steps": [1, steps],
+                "wq_spectral": [[[0.5, 0.5]], [[wq, 0.5]]]}
+
+    common = SHORTEST_HOLD + 30
+    arms = {"short": [run("short-s0", SHORTEST_HOLD - 1)],  # below the floor: does not set the common step
+            "late": [run("late-s0", common + 50, diverged=common + 10, wq=7.0)],
+            "early": [run("early-s0", common, diverged=common - 5)]}
+    result = at_common_step(arms)
+    assert result["step"] == common
+    assert result["arms"]["short"] == [None]
+    (late,) = result["arms"]["late"]
+    assert not late["diverged"] and late["loss"] == 3.0 and late["grad_norm_max"] == common - 1
+    assert late["wq_max"] == 0.5  # the monitor's last record up to the common step, not its later one
+    (early,) = result["arms"]["early"]
+    expected_loss = (3.0 * (COMMON_WINDOW - 6) + 9.0 * 6) / COMMON_WINDOW
+    assert early["diverged"] and abs(early["loss"] - expected_loss) < 1e-12
+    assert at_common_step({"short": [run("short-s0", 10)]}) == {}
