@@ -45,7 +45,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(TILE_PICKS, "get", lambda key: tile)  # a pick for every launch: no autotuning
     for name in ("NATIVE_FWD", "NATIVE_DQ", "NATIVE_DKDV"):
         real = getattr(launch, name)
-        monkeypatch.setattr(launch, name, Tunable(StandInKernel(real.kernel, log), None, None))
+        monkeypatch.setattr(launch, name, Tunable(StandInKernel(real.kernel, log), real.key, None, None))
     for name in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv", "attn_bwd_delta_dpp"):
         monkeypatch.setattr(launch.emulation, name, StandInKernel(getattr(launch.emulation, name), log))
     return log
@@ -161,3 +161,29 @@ def test_shared_empties_are_made_once(stand_ins):
     assert all(a is b and a.numel() == 0 for a, b in zip(first[1:2] + first[3:], again[1:2] + again[3:]))
     fresh = launch.forward(q, k, v, True, 0.125, name, False, 1e-3)
     assert fresh[1] is not first[1] and fresh[3] is not first[3]
+
+
+def test_every_switch_a_native_launch_passes_is_in_its_autotuners_key(monkeypatch):
+    """A masked, padded, packed or grouped launch is tuned for itself: each compile-time switch the launcher passes
+    (the band's, `GROUP`) is part of the autotuner's key, so it never reuses the plain launch's pick."""
+    passed = []
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(launch, "hopper", None)
+    monkeypatch.setattr(launch, "_run_tuned", lambda tunable, grid, args, meta, **kw: passed.append((tunable, meta)))
+    name = spec_name(resolve("fa2"), None, torch.bfloat16, 64, 77)
+    generator = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 4, 77, 64, generator=generator, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 77, 64, generator=generator, dtype=torch.bfloat16) for _ in range(2))  # GQA
+    keep = torch.ones(2, 77, dtype=torch.bool)
+    segments = launch.packed_segments([0, 30, 77], [0, 30, 77], q.device)
+    for band in (None, launch.band_of(q, k, True, (16, 0), None), launch.band_of(q, k, False, (-1, -1), keep),
+                 launch.band_of(q[:1], k[:1], True, (-1, -1), None, segments)):
+        qb, kb, vb, db = (t[:1] if band is not None and band.packed else t for t in (q, k, v, dout))
+        lse = torch.zeros(qb.shape[:3], dtype=torch.float32)
+        launch.forward(qb, kb, vb, True, 0.125, name, False, 1e-3, band=band)
+        launch.backward(db, qb, kb, vb, qb, lse, True, 0.125, name, band=band)
+    switches = {"MASK", "PAD", "SEG", "GROUP"}
+    assert switches <= {name for _, meta in passed for name in meta}  # every form was launched
+    for tunable, meta in passed:
+        missing = (set(meta) & switches) - set(tunable.key)
+        assert not missing, f"{tunable.kernel.__name__} is tuned without {sorted(missing)} in its key"

@@ -399,7 +399,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads.
 
     With grouped-query attention (k and v with H / G heads) the native dK/dV kernel sums each group's query heads
-    in its programs (`GROUP`), as flash-attn does; the emulation kernel writes one query head's share per program
+    in its programs (`GROUP`); the emulation kernel writes one query head's share per program
     into (B, H, Tk, D) buffers, summed over each group here (the reference's order: each head's rounded share)."""
     spec = spec_named(name)
     _check_band(band, spec)

@@ -54,13 +54,15 @@ def _prune(configs, named_args, **meta):
 class Tunable(NamedTuple):
     """A native kernel with its autotuners: over pointer-load tiles, and over those tiles with and without TMA."""
     kernel: triton.runtime.JITFunction
+    key: tuple[str, ...]
+    """The arguments whose values the autotuners tune for separately (with the tensors' dtypes)."""
     pointers: triton.runtime.Autotuner | None
     either: triton.runtime.Autotuner | None
 
     @classmethod
     def of(cls, kernel, configs, key, restore=()) -> Tunable:
         if INTERPRET:
-            return cls(kernel, None, None)
+            return cls(kernel, tuple(key), None, None)
 
         def tuned(candidates):
             # the statistics kernel adds counts with atomics, on the eager path into the caller's running totals:
@@ -71,14 +73,18 @@ class Tunable(NamedTuple):
         def with_tma(c, tma):
             return triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages)
 
-        return cls(kernel, tuned([with_tma(c, False) for c in configs]),
+        return cls(kernel, tuple(key), tuned([with_tma(c, False) for c in configs]),
                    tuned([with_tma(c, tma) for c in configs for tma in (False, True)]))
 
 
-NATIVE_FWD = Tunable.of(native.attn_fwd, FWD_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS"),
+# Each key names the compile-time switches that change the work per program, so that a masked or grouped launch is
+# tuned for itself rather than reusing the plain launch's pick: a band or padding changes which tiles are visited,
+# and a grouped dK/dV program does its group's work (a quarter of the programs with 4 query heads per key/value head).
+BAND_SWITCHES = ("MASK", "PAD", "SEG")
+NATIVE_FWD = Tunable.of(native.attn_fwd, FWD_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *BAND_SWITCHES),
                         restore=("STAT_COUNTS",))
-NATIVE_DQ = Tunable.of(native.attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL"))
-NATIVE_DKDV = Tunable.of(native.attn_bwd_dkdv, DKDV_CONFIGS, ("T", "HEAD_DIM", "CAUSAL"))
+NATIVE_DQ = Tunable.of(native.attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES))
+NATIVE_DKDV = Tunable.of(native.attn_bwd_dkdv, DKDV_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES, "GROUP"))
 
 
 PickKey = tuple
