@@ -32,21 +32,36 @@ def _collect() -> list[str]:
 TESTS = _collect()
 
 
+WORKERS = max(1, min(4, len(os.sched_getaffinity(0))))
+"""Processes the kernel tests are dealt out to: the interpreter runs a test on one core, and on CI's two cores
+one process would leave the other idle for most of the suite's time."""
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """One run of every kernel test under the interpreter: {test id: (outcome, message, seconds)}."""
-    report = tmp_path_factory.mktemp("interpreter") / "report.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-W", "ignore::DeprecationWarning", "-p", "no:cacheprovider",
-                    "--junitxml", str(report), TARGET], env=ENV, cwd=ROOT, capture_output=True, text=True,
-                   timeout=1500)
+    """One run of every kernel test under the interpreter, dealt out to WORKERS processes that run side by side:
+    {test id: (outcome, message, seconds)}."""
+    folder = tmp_path_factory.mktemp("interpreter")
+    env = {**ENV, "OMP_NUM_THREADS": "1"}  # one core per process: more threads would only contend
+    runs = []
+    for worker in range(min(WORKERS, len(TESTS))):  # no process without tests: pytest without ids runs everything
+        report = folder / f"report-{worker}.xml"
+        ids = [f"{TARGET}::{test}" for test in TESTS[worker::WORKERS]]
+        log = open(folder / f"log-{worker}.txt", "w")
+        runs.append((report, log, subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-W", "ignore::DeprecationWarning", "-p", "no:cacheprovider",
+             "--junitxml", str(report), *ids], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)))
     results = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            node = case.find(kind)
-            if node is not None:
-                outcome, message = kind, (node.get("message") or "") + "\n" + (node.text or "")
-        results[case.get("name")] = (outcome, message, float(case.get("time", 0)))
+    for report, log, process in runs:
+        process.wait(timeout=1500)
+        log.close()
+        for case in ET.parse(report).getroot().iter("testcase"):
+            outcome, message = "passed", ""
+            for kind in ("failure", "error", "skipped"):
+                node = case.find(kind)
+                if node is not None:
+                    outcome, message = kind, (node.get("message") or "") + "\n" + (node.text or "")
+            results[case.get("name")] = (outcome, message, float(case.get("time", 0)))
     return results
 
 
