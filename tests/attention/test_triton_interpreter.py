@@ -55,6 +55,8 @@ def outcomes(tmp_path_factory):
     for report, log, process in runs:
         process.wait(timeout=1500)
         log.close()
+        if not report.exists():  # the process died before writing its report: say what it printed
+            raise RuntimeError(f"a kernel-test process wrote no report:\n{Path(log.name).read_text()[-3000:]}")
         for case in ET.parse(report).getroot().iter("testcase"):
             outcome, message = "passed", ""
             for kind in ("failure", "error", "skipped"):
