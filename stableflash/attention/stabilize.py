@@ -8,6 +8,7 @@ row with repeated maxima, which is what triggers the biased bf16 rounding in P̄
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -142,10 +143,15 @@ def key_of(stabilize) -> str | None:
 
 
 def _key(stabilize) -> str:
-    # the fields are numbers and flags: a shallow record (`dataclasses.asdict` deep-copies, ~10x the cost, and an
-    # inline `SFA()` builds its key on every attention call)
-    fields = {f.name: getattr(stabilize, f.name) for f in dataclasses.fields(stabilize)}
-    return json.dumps({"kind": type(stabilize).__name__, **fields}, sort_keys=True)
+    # an inline `SFA()` builds its key on every attention call: the string is made once per distinct record (the
+    # fields are numbers and flags; their types are part of the record, so 2 and 2.0 keep their own strings)
+    fields = tuple((f.name, type(value := getattr(stabilize, f.name)), value) for f in dataclasses.fields(stabilize))
+    return _key_of_record(type(stabilize).__name__, fields)
+
+
+@functools.lru_cache(maxsize=256)
+def _key_of_record(kind: str, fields: tuple) -> str:
+    return json.dumps({"kind": kind, **{name: value for name, _, value in fields}}, sort_keys=True)
 
 
 def from_key(key: str | None):

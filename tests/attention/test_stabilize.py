@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from stableflash import SFA, AttentionStats, ClampPbar, flash_attention
 from stableflash.attention import PRESETS
+from stableflash.attention import stabilize as stabilizers
 
 
 def _rows_as_inputs(row: list[float], dtype):
@@ -159,3 +160,17 @@ def test_official_sfa_visits_fully_masked_tiles():
     visited = flash_attention(qb, kb, vb, causal=True, precision=low, stabilize=SFA.official(), backend="reference")
     skipped = flash_attention(qb, kb, vb, causal=True, precision=low, stabilize=SFA(bounded=False), backend="reference")
     assert not torch.equal(visited, skipped)
+
+
+@pytest.mark.parametrize("stabilize", [SFA(), SFA(beta=3), SFA(beta=2), SFA(eps=0.0, bounded=False), SFA.official(),
+                                       ClampPbar(), ClampPbar(eps=1e-2)], ids=repr)
+def test_a_stabilizer_and_its_key_give_each_other_back(stabilize):
+    """The key is what torch.compile holds as a constant: it names the record exactly, and equal records (an inline
+    `SFA()` on every call) get the same string."""
+    key = stabilizers.key_of(stabilize)
+    back = stabilizers.from_key(key)
+    assert back == stabilize and type(back) is type(stabilize)
+    assert all(type(getattr(back, f)) is type(getattr(stabilize, f)) for f in stabilize.__dataclass_fields__)
+    again = type(stabilize)(**{f: getattr(stabilize, f) for f in stabilize.__dataclass_fields__})
+    assert stabilizers.key_of(again) == key
+    assert stabilizers.key_of(SFA(beta=3.5)) != stabilizers.key_of(SFA(beta=3.0))
