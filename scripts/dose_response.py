@@ -331,7 +331,7 @@ def summarise(args) -> None:
         if delta is not None:
             print(f"{arm:<12} cumulative δ error at layer {delta['layer']} head {delta['head']} over {delta['steps']} "
                   f"steps: {delta['cumulative']:+.3e} (largest at head {delta['largest_head']})")
-    _figures(args.out, arms)
+    draw_figures(args.out, arms)
 
 
 def finish(args) -> None:
@@ -369,7 +369,9 @@ def pack(args) -> None:
     print(f"wrote {args.archive} ({args.archive.stat().st_size / 1e6:.1f} MB)")
 
 
-def _figures(out: Path, arms: dict[str, list[dict]]) -> None:
+def draw_figures(out: Path, arms: dict[str, list[dict]]) -> Path:
+    """OUT/dose-response.png: the loss, the first diverging step against fraction bits, and the W_Q norm of each
+    run's fastest-growing head."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -397,6 +399,8 @@ def _figures(out: Path, arms: dict[str, list[dict]]) -> None:
     axes[2].set(title="W_Q spectral norm of each run's fastest-growing head", xlabel="step")
     fig.tight_layout()
     fig.savefig(out / "dose-response.png", dpi=120)
+    plt.close(fig)
+    return out / "dose-response.png"
 
 
 def main():

@@ -196,6 +196,15 @@ def plot_isolation(path: Path) -> list[Path]:
     return outs
 
 
+def plot_dose_response(folder: Path) -> Path:
+    """The dose-response study's figure from its arms' JSON, as `scripts/dose_response.py summarise` draws it (the
+    arms in the order of their runs' folders, as there)."""
+    from dose_response import draw_figures
+
+    arms = {p.stem: json.loads(p.read_text()) for p in (folder / "arms").glob("*.json")}
+    return draw_figures(folder, dict(sorted(arms.items(), key=lambda arm: min(r["run"] for r in arm[1]))))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -211,6 +220,8 @@ def main():
         print(*plot_isolation(path), sep="\n")
     for run in sorted(p.parent for p in args.results.glob("**/probe-*/*/metrics.jsonl")):
         print(plot_probe_run(run))
+    for folder in sorted(p.parent for p in args.results.glob("dose-response*/verdict.json")):
+        print(plot_dose_response(folder))
 
 
 if __name__ == "__main__":

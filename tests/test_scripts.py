@@ -248,3 +248,18 @@ def test_dose_response_reads_every_run_at_one_common_step():
     expected_loss = (3.0 * (COMMON_WINDOW - 6) + 9.0 * 6) / COMMON_WINDOW
     assert early["diverged"] and abs(early["loss"] - expected_loss) < 1e-12
     assert at_common_step({"short": [run("short-s0", 10)]}) == {}
+
+
+def test_plot_results_redraws_the_dose_response_figure_from_the_arms_json(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from plot_results import plot_dose_response
+
+    def run(name, wq):
+        return {"run": name, "steps": 3, "first_divergence": None, "losses": [5.0, 4.0, 3.0], "monitor_steps": [1, 3],
+                "wq_spectral": [[[0.5, 0.5]], [[wq, 0.5]]], "wq_growth": {"layer": 0, "head": 0, "ratio": wq / 0.5}}
+
+    (tmp_path / "arms").mkdir()
+    for arm in ("e8m4", "fp32"):
+        (tmp_path / "arms" / f"{arm}.json").write_text(json.dumps([run(f"{arm}-s0", 2.0), run(f"{arm}-s1", 3.0)]))
+    figure = plot_dose_response(tmp_path)
+    assert figure == tmp_path / "dose-response.png" and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
