@@ -213,7 +213,7 @@ def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
         return []
     run = out / "runs" / first["run"]
     before = checkpoint_before(run, first["first_divergence"])
-    layer = first["wq_growth"]["layer"] if first["wq_growth"] else 0
+    layer = _growth_layer(first)
     until = first["first_divergence"] + ISOLATION_MARGIN
     # no --replay: the isolation trains past the run's last recorded batch, and the batches are a pure function of
     # seed and step. Without a checkpoint before the divergence, the isolation trains from the same initialisation.
@@ -221,9 +221,18 @@ def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
                + (f"--from-checkpoint {before} " if before else "")
                + f"--experiments {ISOLATION} --layer {layer} --jobs {len(ISOLATION.split(','))} "
                f"--set run.max_steps={until} --out {out / 'isolate'}")
-    delta = (f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {before} "
-             f"--low config --steps {DELTA_STEPS} --layer {layer} --out {out / 'diagnose-delta'}")
-    return [delta, isolate] if before else [isolate]
+    return [_delta_command(run, before, layer, out / "diagnose-delta"), isolate] if before else [isolate]
+
+
+def _growth_layer(run: dict) -> int:
+    """The layer of the run's fastest-growing W_Q head (0 without spectral records)."""
+    return run["wq_growth"]["layer"] if run["wq_growth"] else 0
+
+
+def _delta_command(run: Path, checkpoint: Path, layer: int, out: Path) -> str:
+    """The signed cumulative δ error over DELTA_STEPS steps from `checkpoint`, under the run's own numerics."""
+    return (f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {checkpoint} --low config "
+            f"--steps {DELTA_STEPS} --layer {layer} --out {out}")
 
 
 def checkpoint_before(run: Path, step: int) -> Path | None:
@@ -248,9 +257,7 @@ def delta_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
         source = checkpoint_before(run, first["first_divergence"]) if diverged else run / "checkpoint.pt"
         if source is None:
             continue
-        layer = first["wq_growth"]["layer"] if first["wq_growth"] else 0
-        commands.append(f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {source} --low config "
-                        f"--steps {DELTA_STEPS} --layer {layer} --out {out / 'delta' / arm}")
+        commands.append(_delta_command(run, source, _growth_layer(first), out / "delta" / arm))
     return commands
 
 

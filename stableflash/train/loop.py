@@ -214,14 +214,10 @@ class Trainer:
             if self.batch_log is not None and (self.replay is None or self.step in self.replay.recorded):
                 self.batch_log.record(self.step, self.batch_offsets(self.step))
             if self.cfg.run.keep_previous_checkpoint:
-                self._keep_previous_checkpoint()
+                self._keep_latest_as(PREVIOUS_CHECKPOINT)  # before a new one replaces it
             save_checkpoint(self.run_dir, self._state())
         if self.world > 1:
             dist.barrier()
-
-    def _keep_previous_checkpoint(self) -> None:
-        """The latest checkpoint becomes `checkpoint-previous.pt` before a new one replaces it."""
-        self._keep_latest_as(PREVIOUS_CHECKPOINT)
 
     def _keep_latest_as(self, name: str) -> None:
         """The latest checkpoint also under `name`: by a hard link (no copy; a new latest is a new file, so the link
