@@ -26,8 +26,14 @@ from stableflash.attention.triton.spec import emulated_variant
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
 
-def _ours(**kw):
-    return lambda q, k, v: flash_attention(q, k, v, backend="triton", **kw)
+def _ours(options=None, **kw):
+    if options is None:
+        return lambda q, k, v: flash_attention(q, k, v, backend="triton", **kw)
+
+    def run(q, k, v):
+        with kernels.kernel_options(**options):
+            return flash_attention(q, k, v, backend="triton", **kw)
+    return run
 
 
 def _sdpa(backend):
@@ -47,6 +53,9 @@ def implementations(num_heads):
         # grouped-query attention (k, v with H / 4 heads, `GROUPED`): the same FLOPs as the MHA rows
         "stableflash-gqa": _ours(),
         "stableflash-sfa-gqa": _ours(stabilize=SFA()),
+        # dK/dV of each query head stored and summed over its group afterwards, as flash-attn 2 does
+        "stableflash-gqa-shares": _ours(options={"group_sum_in_program": False}),
+        "stableflash-sfa-gqa-shares": _ours(options={"group_sum_in_program": False}, stabilize=SFA()),
         # the dose-response study's numerics, as a ratio to `paper` (the same emulation kernels, other roundings)
         "stableflash-pv-e8m4": _ours(precision=emulated_variant("paper+pv-e8m4")),
         "stableflash-pv-e8m4-tz": _ours(precision=emulated_variant("paper+pv-e8m4-tz")),
@@ -60,7 +69,8 @@ def implementations(num_heads):
     }
 
 
-GROUPED = {"stableflash-gqa": 4, "stableflash-sfa-gqa": 4}  # query heads per key/value head
+GROUPED = {name: 4 for name in ("stableflash-gqa", "stableflash-sfa-gqa", "stableflash-gqa-shares",
+                                 "stableflash-sfa-gqa-shares")}  # query heads per key/value head
 
 
 def measure(fn, shape, mode: str, group: int = 1) -> float:
@@ -168,7 +178,8 @@ def print_summary(rows):
         return "-" if x is None or y is None else f"{100 * (1 - x / y):.1f}%"
 
     print(f"\n{'shape':<22}{'timing':<8}{'sfa/fa2':>9}{'sfa/cudnn':>11}{'sfa cost':>10}{'stats cost':>12}{'paper/tiled':>13}"
-          f"{'e8m4/paper':>12}{'tz/paper':>10}{'sr/paper':>10}{'gqa/mha':>9}{'sfa gqa/mha':>13}  (fwd+bwd)")
+          f"{'e8m4/paper':>12}{'tz/paper':>10}{'sr/paper':>10}{'gqa/mha':>9}{'sfa gqa/mha':>13}{'shares/mha':>12}"
+          f"{'sfa shares/mha':>16}  (fwd+bwd)")
     for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
         for timing, key in (("eager", "fwdbwd_tflops"), ("graph", "fwdbwd_tflops_cudagraph")):
             # the tiled reference has no graph column: its ratio is eager on both lines
@@ -181,7 +192,9 @@ def print_summary(rows):
                   f"{ratio(shape, 'stableflash-pv-e8m4-tz', 'stableflash-paper', key):>10}"
                   f"{ratio(shape, 'stableflash-pv-e8m4-sr', 'stableflash-paper', key):>10}"
                   f"{ratio(shape, 'stableflash-gqa', 'stableflash', key):>9}"
-                  f"{ratio(shape, 'stableflash-sfa-gqa', 'stableflash-sfa', key):>13}")
+                  f"{ratio(shape, 'stableflash-sfa-gqa', 'stableflash-sfa', key):>13}"
+                  f"{ratio(shape, 'stableflash-gqa-shares', 'stableflash', key):>12}"
+                  f"{ratio(shape, 'stableflash-sfa-gqa-shares', 'stableflash-sfa', key):>16}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
 # agreement: how often the emulated presets give the reference's bits (scripts/emulation_agreement.py)
 # cost: SFA's and the statistics' cost and SFA vs FA2 over 7 interleaved rounds, from a graph (and eager at T = 1024)
 # narrow: the dose-response study's numerics (e8m4 nearest, toward zero, stochastic) as a ratio to the `paper` kernel
-# gqa: GQA against MHA at the same FLOPs; masked: windows and padding against FlexAttention and SDPA;
+# gqa: GQA against MHA at the same FLOPs, its group summed in the dK/dV programs or afterwards; masked: windows and padding against FlexAttention and SDPA;
 # hf: a transformers Llama's compiled training step, sdpa against ours
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
@@ -49,7 +49,8 @@ for part in $parts; do
               --impls stableflash-paper,stableflash-pv-e8m4,stableflash-pv-e8m4-tz,stableflash-pv-e8m4-sr 2>&1 \
               | grep -v Warning | tee "$out/attention-narrow.log" ;;
     gqa) python3 benchmarks/attention.py --modes fwdbwd,fwdbwd_graph --out "$out/attention-gqa-h200.json" \
-           --impls stableflash,stableflash-gqa,stableflash-sfa,stableflash-sfa-gqa 2>&1 | grep -v Warning \
+           --impls stableflash,stableflash-gqa,stableflash-gqa-shares,stableflash-sfa,stableflash-sfa-gqa,stableflash-sfa-gqa-shares \
+           2>&1 | grep -v Warning \
            | tee "$out/attention-gqa.log" ;;
     masked) python3 benchmarks/masked_attention.py --out "$out/masked-attention.json" 2>&1 | grep -v Warning \
               | tee "$out/masked-attention.log" ;;

@@ -247,16 +247,18 @@ def _grouped_inputs(B, H, Tq, Tk, D, groups):
     return seed, g, q, k, v, dout
 
 
-@pytest.mark.parametrize("precision", ["fa2", "paper"])
+@pytest.mark.parametrize("precision, in_program", [("fa2", True), ("fa2", False), ("paper", True)])
 @pytest.mark.parametrize("groups", [2, 4])
-def test_grouped_query_attention_reads_each_key_value_head_for_its_group(precision, groups):
+def test_grouped_query_attention_reads_each_key_value_head_for_its_group(precision, in_program, groups):
     """k and v with H / groups heads (4: multi-query), read in place by the kernels: outputs and gradients (dK, dV
-    summed over each group) within twice the reference's error against fp64; the emulated `paper` bit for bit
-    with the reference, which repeats k and v, where a group is two heads (one sum, in either order)."""
+    summed over each group, natively in the programs or, `group_sum_in_program=False`, afterwards) within twice the
+    reference's error against fp64; the emulated `paper` bit for bit with the reference, which repeats k and v,
+    where a group is two heads (one sum, in either order)."""
     B, H, T, D = 2, 4, 77, 16 if INTERPRET else 64
     _, _, q, k, v, dout = _grouped_inputs(B, H, T, T, D, groups)
     stats = AttentionStats(H)
-    ours = _run(functools.partial(_attention, precision=precision, stats=stats), q, k, v, dout)
+    with kernel_options(group_sum_in_program=in_program):
+        ours = _run(functools.partial(_attention, precision=precision, stats=stats), q, k, v, dout)
     ref = _run(functools.partial(flash_attention, precision=precision, backend="reference"), q, k, v, dout)
     exact_fn, leaves = _fp64(q, k, v, True)
     exact = _run(exact_fn, *leaves, dout.cpu().double())
@@ -741,6 +743,33 @@ def test_the_gluon_forward_on_hopper_matches_the_reference_at_its_tiles(D, causa
         for name, a, b in zip(["out", "dq", "dk", "dv"], ours, triton_forward):
             assert rel_err(a.float().cpu(), b.float().cpu()) < 1e-2, name
         _assert_finite_on_large_logits(D, dtype, causal=causal, stabilize=stabilize)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Gluon forward runs on sm_90 GPUs only")
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_gluon_forward_reads_each_key_value_head_for_its_group(D, monkeypatch):
+    """Grouped-query attention (k and v of H / 4 heads) runs the Gluon forward too, reading each group's key/value
+    head in place: outputs and gradients within twice the reference's error against fp64, with and without SFA."""
+    from stableflash.attention.triton import hopper
+
+    _hopper_or_skip()
+    monkeypatch.setattr(hopper, "FORWARD_TILES", {key: choice and choice._replace(min_seq_len=1)
+                                                  for key, choice in hopper.FORWARD_TILES.items()})
+    B, H, T = 2, 8, 333
+    seed, _, q, k, v, dout = _grouped_inputs(B, H, T, T, D, 4)
+    exact_fn, leaves = _fp64(q, k, v, True)
+    exact = _run(exact_fn, *leaves, dout.cpu().double())
+    for stabilize in (None, SFA()):
+        if hopper.FORWARD_TILES.get((D, stabilize is not None)) is None:
+            continue
+        with monkeypatch.context() as patch:
+            launched = _launched(patch)
+            ours = _run(functools.partial(_attention, stabilize=stabilize), q, k, v, dout)
+        assert hopper.attn_fwd in launched, f"seed {seed}"
+        ref = _run(functools.partial(flash_attention, precision="fa2", stabilize=stabilize, backend="reference"),
+                   q, k, v, dout)
+        for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+            _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the Gluon forward runs on sm_90 GPUs only")

@@ -11,7 +11,8 @@ softmax runs under the other's matmuls (FA3's inter-warpgroup schedule).
 Production FA2 numerics only, with or without SFA and the statistics, exactly as `native._fwd_tile` computes them
 per key tile (the `common.top2` pair reduction, `common.sfa_max`, the guarded P̄ = 1 count and `common.shift` of rows
 that have seen no finite score); emulated presets stay in Triton. Causal or not, any T (TMA zero-fills rows past T;
-columns past T are masked), head dims 64 and 128, bf16 and fp16, 16-byte aligned rows (one device-side descriptor per head).
+columns past T are masked), head dims 64 and 128, bf16 and fp16, grouped-query attention (k and v of H / G heads, read
+in place), 16-byte aligned rows (one device-side descriptor per head).
 `launch.forward` launches it on sm_90 where `FORWARD_TILES` has a tile (measured: results/kernel-variants/).
 """
 
@@ -193,7 +194,7 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
 @gluon.jit
 def attn_fwd(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-                     stride_ob, stride_oh, stride_ot, H, T, qk_scale, eps_u,
+                     stride_ob, stride_oh, stride_ot, H, G, T, qk_scale, eps_u,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
                      LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
@@ -213,11 +214,12 @@ def attn_fwd(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
         bh = gl.program_id(1)
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
+    hk = h // G  # the key/value head of query head h (G query heads per key/value head: grouped-query attention)
     q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [T, HEAD_DIM], [stride_qt, 1],
                                         [ROWS, HEAD_DIM], Q_LAYOUT)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, [T, HEAD_DIM], [stride_kt, 1],
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [T, HEAD_DIM], [stride_kt, 1],
                                         [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [T, HEAD_DIM], [stride_vt, 1],
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [T, HEAD_DIM], [stride_vt, 1],
                                         [BLOCK_N, HEAD_DIM], KV_LAYOUT)
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], Q_LAYOUT)

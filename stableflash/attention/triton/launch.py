@@ -289,8 +289,6 @@ def hopper_forward_tile(spec: KernelSpec, q, k, v, stats: bool):
     choice = hopper.FORWARD_TILES.get((q.shape[-1], spec.stab == 1 or stats))
     if choice is None or q.shape[-2] < choice.min_seq_len or spec.stab == 2 or spec.out_dtype != q.dtype:
         return None
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: the Triton forward
-        return None
     if not _is_hopper(q.device.index) or not tma_streamable(q, k, v):
         return None
     return choice.tile
@@ -360,7 +358,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
         args = (*tensors[:4], o_saved if spec.save_fp32_o else out, *tensors[4:], H, G, T, scale * spec.units, eps,
                 spec.logical_n, seed, *_band_args(band, T, k.shape[-2], lse), spec.logical_m)
     elif branch == "hopper":
-        args = (*tensors, H, T, scale * spec.units, eps)
+        args = (*tensors, H, G, T, scale * spec.units, eps)
     else:
         args = (*tensors, H, G, T, scale * spec.units, eps, *_band_args(band, T, k.shape[-2], lse))
     if plan is not None:
@@ -399,8 +397,9 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads.
 
     With grouped-query attention (k and v with H / G heads) the native dK/dV kernel sums each group's query heads
-    in its programs (`GROUP`); the emulation kernel writes one query head's share per program
-    into (B, H, Tk, D) buffers, summed over each group here (the reference's order: each head's rounded share)."""
+    in its programs (`GROUP`, with `KernelOptions.group_sum_in_program`); otherwise, and under emulation, it writes
+    one query head's share per program into (B, H, Tk, D) buffers, summed over each group here (flash-attn 2's
+    order, and the reference's: each head's rounded share)."""
     spec = spec_named(name)
     _check_band(band, spec)
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
@@ -409,8 +408,8 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     dq = empty_in_layout_of(q, q.dtype)
-    shares = G > 1 and not spec.native
-    if shares:  # one query head's share each, summed over the group below
+    shares = G > 1 and not (spec.native and options.current().group_sum_in_program)
+    if shares:  # one query head's share each, in the input dtype (flash-attn 2's order), summed over the group below
         dk, dv = (torch.empty(B, H, TK, D, dtype=t.dtype, device=t.device) for t in (k, v))
     else:
         dk = empty_in_layout_of(k, k.dtype)
@@ -445,7 +444,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
             scratch = _tma_candidates(spec, D, q, k, v, dout)
             if scratch:
                 _allow_device_descriptors()
-            grouped = {"GROUP": G} if G > 1 else {}  # absent for MHA: its picks keep their keys
+            grouped = {"GROUP": G} if G > 1 and not shares else {}  # absent otherwise: MHA's picks keep their keys
             bound = [_run_tuned(tunable, grid, args, meta, T=T, dtype=q.dtype, either=scratch, traced=traced)
                      for tunable, grid, args, meta in zip((NATIVE_DQ, NATIVE_DKDV), (rows, cols), launch_args,
                                                           (launch, {**launch, **grouped}))]

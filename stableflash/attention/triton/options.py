@@ -1,6 +1,6 @@
 """`KernelOptions`: the one set of switches a user may change about how the fused kernels launch.
 
-Neither changes the policy: both choose between implementations of the native (production FA2) numerics, each
+None changes the policy: each chooses between implementations of the native (production FA2) numerics, each
 measured faster where it is on. Turn one off to compare, or to rule it out when something looks wrong:
 
     from stableflash.attention.triton import kernel_options
@@ -21,6 +21,10 @@ class KernelOptions:
     """On sm_90, the Gluon forward (`hopper.py`) where `hopper.FORWARD_TILES` has a tile for the call."""
     tma: bool = True
     """At head dims >= 128, let the autotuner also try streaming tiles by TMA (`tuning.TMA_MIN_HEAD_DIM`)."""
+    group_sum_in_program: bool = True
+    """Grouped-query attention's dK/dV: each program sums its key/value head's query heads in fp32 before it stores
+    (FA3's way); off, each query head's share is stored in the input dtype and summed over the group afterwards
+    (flash-attn 2's way: one more pass over H heads of dK and dV, and other last bits)."""
 
 
 _current = KernelOptions()
