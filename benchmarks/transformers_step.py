@@ -68,6 +68,9 @@ def main():
         for _ in range(3):  # compile, autotune
             first_loss = step().item()
         runs[impl] = {"step": step, "graph_breaks": breaks, "first_loss": first_loss, "ms": []}
+    for run in runs.values():  # each later model's `_dynamo.reset()` dropped the earlier ones' compiled code
+        for _ in range(3):
+            run["step"]()
     for _ in range(args.rounds):
         for run in runs.values():
             torch.cuda.synchronize()
