@@ -278,6 +278,8 @@ MASKED_CASES = {  # Tq, Tk, causal, window, key padding, query heads per key/val
     "window both sides": (77, 77, False, (8, 5), False, 1),
     "key padding, causal, GQA": (77, 77, True, None, True, 2),
     "everything": (50, 77, True, (20, -1), True, 2),
+    # several tiles a side: tiles inside the band with no padded key run unmasked
+    "long rows, window, key padding": (200, 211, True, (150, -1), True, 1),
 }
 
 
@@ -325,6 +327,32 @@ def test_masked_calls_run_in_the_kernels(case, stabilize, head_dim):
     assert torch.allclose(stats.max_score.cpu(), ref_stats.max_score.cpu(), rtol=1e-5), f"seed {seed}"
 
 
+@pytest.mark.parametrize("mask", ["no key padded", "a window wider than the rows", "packed, one sequence"])
+def test_a_mask_that_hides_nothing_gives_the_plain_kernels_bits(mask, monkeypatch):
+    """The masked form runs the tiles where every query sees every key without a mask, as the plain causal kernels
+    run the tiles left of the diagonal: a causal call whose mask hides nothing more gives the plain call's bits
+    (outputs and gradients; one 64x64 tile for both, several tiles a side, a ragged end)."""
+    from stableflash.attention import triton as backend
+
+    launch = _fixed_tile(monkeypatch)
+    B, H, T, D = (1 if mask.startswith("packed") else 2), 2, 211, 16 if INTERPRET else 64
+    seed, _, q, k, v, dout = _grouped_inputs(B, H, T, T, D, 1)
+    policy = resolve("fa2")
+
+    def masked(q, k, v):
+        if mask == "packed, one sequence":
+            segments = launch.packed_segments([0, T], [0, T], q.device)
+            return backend.attention(q, k, v, causal=True, scale=D**-0.5, policy=policy, segments=segments)
+        if mask == "no key padded":
+            return _attention(q, k, v, key_padding_mask=torch.ones(B, T, dtype=torch.bool, device=q.device))
+        return _attention(q, k, v, window=(T + 5, 0))
+
+    assert launch.band_of(q, k, True, (T + 5, 0), None) is not None  # the masked form, not the plain one
+    plain = _run(_attention, q, k, v, dout)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], _run(masked, q, k, v, dout), plain):
+        assert torch.equal(a, b), (name, f"seed {seed}")
+
+
 @pytest.mark.parametrize("longer", [0, 123], ids=["one logical tile", "several logical tiles"])
 @pytest.mark.parametrize("precision", ["paper", "bf16"])
 @pytest.mark.parametrize("case", ["longer queries, causal (rows that see no key)", "window both sides", "everything"])
@@ -357,6 +385,7 @@ def test_masked_calls_under_emulated_policies_match_the_reference(case, precisio
 PACKED_LENGTHS = {  # queries and keys per sequence: odd lengths, one of 1; then other key lengths, none, no queries
     "self-attention": ([30, 1, 77, 13], [30, 1, 77, 13]),
     "other key lengths": ([30, 1, 77, 13, 0], [45, 3, 50, 0, 7]),
+    "a long sequence": ([7, 170, 20], [7, 170, 20]),  # tiles inside one sequence's band run unmasked
 }
 
 
@@ -370,6 +399,7 @@ def test_packed_sequences_run_in_one_kernel_call(causal, window, lengths, monkey
     from stableflash.attention.triton import launch
 
     q_offsets, k_offsets = ([0, *torch.tensor(n).cumsum(0).tolist()] for n in PACKED_LENGTHS[lengths])
+    longest_q, longest_k = (max(n) for n in PACKED_LENGTHS[lengths])
     H, D = 4, 16 if INTERPRET else 64
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
@@ -390,12 +420,13 @@ def test_packed_sequences_run_in_one_kernel_call(causal, window, lengths, monkey
             out = backend.attention(*heads, causal=causal, scale=D**-0.5, policy=resolve("fa2"), window=window,
                                     segments=launch.packed_segments(q_offsets, k_offsets, q.device))
             return out[0].transpose(0, 1)
-        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 77, 77, causal=causal, window_size=window)
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, longest_q, longest_k, causal=causal,
+                                      window_size=window)
 
     def per_sequence(precision, backend_name):
-        return lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_q.to(q.device), cu_k.to(q.device), 77, 77,
-                                                      causal=causal, window_size=window, precision=precision,
-                                                      backend=backend_name)
+        return lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_q.to(q.device), cu_k.to(q.device), longest_q,
+                                                      longest_k, causal=causal, window_size=window,
+                                                      precision=precision, backend=backend_name)
 
     ours = _run(ours_fn, q, k, v, dout)
     assert len(forwards) == 1, f"{len(forwards)} kernel calls for one packed batch"

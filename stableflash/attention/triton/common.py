@@ -162,6 +162,66 @@ def packed_queries(KEY_ROW, stride, offs_n, TK, LEFT, RIGHT):
 
 
 @triton.jit
+def band_full_keys(start_m, BLOCK_M: tl.constexpr, T, TK, LEFT, RIGHT):
+    """[lo, hi) of the keys that every query of the tile at start_m sees (lo >= hi where the tile is ragged)."""
+    offset = TK - T
+    lo = tl.where(LEFT >= 0, start_m + BLOCK_M - 1 + offset - LEFT, 0)
+    hi = tl.where(RIGHT >= 0, tl.minimum(start_m + offset + RIGHT + 1, TK), TK)
+    return lo, tl.where(start_m + BLOCK_M <= T, hi, lo)
+
+
+@triton.jit
+def band_full_queries(start_n, BLOCK_N: tl.constexpr, T, TK, LEFT, RIGHT):
+    """[lo, hi) of the queries that see every key of the tile at start_n (lo >= hi where the tile is ragged)."""
+    offset = TK - T
+    lo = tl.where(RIGHT >= 0, start_n + BLOCK_N - 1 - offset - RIGHT, 0)
+    hi = tl.where(LEFT >= 0, tl.minimum(start_n - offset + LEFT + 1, T), T)
+    return lo, tl.where(start_n + BLOCK_N <= TK, hi, lo)
+
+
+@triton.jit
+def packed_full_keys(KEEP_ROW, stride, offs_m, T, qtags, aligned, LEFT, RIGHT):
+    """`band_full_keys` in a packed batch: the keys every query offs_m sees, none unless all are of one sequence."""
+    ok = offs_m < T
+    start = tl.max(tl.load(KEEP_ROW + stride + offs_m, mask=ok, other=0), 0)
+    end = tl.min(tl.load(KEEP_ROW + 2 * stride + offs_m, mask=ok, other=0), 0)
+    lo = tl.where(LEFT >= 0, tl.maximum(start, tl.max(aligned, 0) - LEFT), start)
+    hi = tl.where(RIGHT >= 0, tl.minimum(end, tl.min(aligned, 0) + RIGHT + 1), end)
+    one = (tl.min(qtags, 0) == tl.max(qtags, 0)) & (tl.min(qtags, 0) >= 0)  # rows past T carry -1
+    return lo, tl.where(one, hi, lo)
+
+
+@triton.jit
+def packed_full_queries(KEY_ROW, stride, offs_n, TK, ktags, LEFT, RIGHT):
+    """`band_full_queries` in a packed batch: the queries that see every key offs_n, none unless all are real keys
+    of one sequence."""
+    ok = offs_n < TK
+    start = tl.max(tl.load(KEY_ROW + stride + offs_n, mask=ok, other=0), 0)
+    end = tl.min(tl.load(KEY_ROW + 2 * stride + offs_n, mask=ok, other=0), 0)
+    shifted = offs_n - tl.load(KEY_ROW + 3 * stride + offs_n, mask=ok, other=0)
+    lo = tl.where(RIGHT >= 0, tl.maximum(start, tl.max(shifted, 0) - RIGHT), start)
+    hi = tl.where(LEFT >= 0, tl.minimum(end, tl.min(shifted, 0) + LEFT + 1), end)
+    one = (tl.min(ktags, 0) == tl.max(ktags, 0)) & (tl.min(ktags, 0) >= 0) & (tl.max(offs_n, 0) < TK)
+    return lo, tl.where(one, hi, lo)
+
+
+@triton.jit
+def whole_tiles(lo, hi, first, BLOCK: tl.constexpr):
+    """The whole tiles [a, b) inside [lo, hi), a no lower than `first` (a tile's start): the tiles a masked loop
+    starting at `first` may run unmasked. a = b = first where there are none."""
+    a = tl.maximum((tl.maximum(lo, 0) + BLOCK - 1) // BLOCK * BLOCK, first)
+    b = tl.maximum(hi, 0) // BLOCK * BLOCK
+    none = b <= a
+    return tl.where(none, first, a), tl.where(none, first, b)
+
+
+@triton.jit
+def all_real(tags):
+    """Whether every key of a key-padding tile is a real one (tag 1: `key_tags`)."""
+    return (tl.min(tags, 0) == 1) & (tl.max(tags, 0) == 1)
+
+
+@triton.jit
 def band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, qtags, ktags, aligned):
     """(queries, keys) pairs a masked call shows: query i of T and key j of TK at distance d = j - aligned_i
     (`query_tags`: i + TK - T, causal alignment to the bottom right), inside both lengths, with -LEFT <= d <= RIGHT

@@ -10,8 +10,8 @@ or query tiles (dK/dV) by tensor descriptors, which the autotuner may choose at 
 TK keys against T queries with a band (causal aligned to the bottom right, a sliding window: `LEFT`, `RIGHT`) and,
 with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), or with `PAD` and `SEG` a packed batch of sequences whose
 queries and keys may differ in length (`KEEP`, the (4, T + TK) int32 table `common.py` describes; the band aligned
-to each sequence's bottom right): every tile it visits is masked, and only tiles the band and the sequences reach
-are visited.
+to each sequence's bottom right): only tiles the band and the sequences reach are visited, and each is masked but
+where every query of the tile sees every key (with key padding: and none of its keys is padded).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import triton.language as tl
 
 from stableflash.attention.triton.common import (
     add_stats,
+    all_real,
+    band_full_keys,
+    band_full_queries,
     band_keys,
     band_queries,
     band_visible,
@@ -34,6 +37,8 @@ from stableflash.attention.triton.common import (
     load_lse,
     load_rows,
     mul_rn,
+    packed_full_keys,
+    packed_full_queries,
     packed_keys,
     packed_queries,
     query_tags,
@@ -43,6 +48,7 @@ from stableflash.attention.triton.common import (
     store_rows,
     top2,
     visible,
+    whole_tiles,
 )
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -174,12 +180,38 @@ def attn_fwd(
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
     key_row = keep_row + T if SEG else keep_row  # a packed batch's table: the keys' columns follow the queries'
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
-    if MASK:  # every tile the band (and, packed, the rows' sequences) reaches, each masked
+    if MASK:  # every tile the band (and, packed, the rows' sequences) reaches; masked unless every query sees every key
         if SEG:
             lo, hi = packed_keys(keep_row, stride_keep, offs_m, T, aligned, LEFT, RIGHT)
+            full_lo, full_hi = packed_full_keys(keep_row, stride_keep, offs_m, T, qtags, aligned, LEFT, RIGHT)
         else:
             lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
-        for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+            full_lo, full_hi = band_full_keys(pid_m * BLOCK_M, BLOCK_M, T, TK, LEFT, RIGHT)
+        first = (lo // BLOCK_N) * BLOCK_N
+        inner_lo, inner_hi = whole_tiles(full_lo, tl.minimum(full_hi, hi), first, BLOCK_N)
+        for start_n in range(first, inner_lo, BLOCK_N):
+            m, l, acc, repeated, ones, smax = _fwd_tile(
+                q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
+                smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA,
+                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, True, PAD)
+        for start_n in range(inner_lo, inner_hi, BLOCK_N):  # key padding: unmasked where the tile has no padded key
+            if PAD and not SEG:
+                if all_real(key_tags(key_row, start_n + tl.arange(0, BLOCK_N), TK, True)):
+                    m, l, acc, repeated, ones, smax = _fwd_tile(
+                        q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
+                        smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, False, STAB, STATS, BETA,
+                        LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
+                else:
+                    m, l, acc, repeated, ones, smax = _fwd_tile(
+                        q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
+                        smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA,
+                        LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, True, PAD)
+            else:
+                m, l, acc, repeated, ones, smax = _fwd_tile(
+                    q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
+                    smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, False, STAB, STATS, BETA,
+                    LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
+        for start_n in range(inner_hi, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
                 smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA,
@@ -282,12 +314,34 @@ def attn_bwd_dq(
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
     key_row = keep_row + T if SEG else keep_row
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
-    if MASK:
+    if MASK:  # as the forward: the tiles where every query sees every key unmasked
         if SEG:
             lo, hi = packed_keys(keep_row, stride_keep, offs_m, T, aligned, LEFT, RIGHT)
+            full_lo, full_hi = packed_full_keys(keep_row, stride_keep, offs_m, T, qtags, aligned, LEFT, RIGHT)
         else:
             lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
-        for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+            full_lo, full_hi = band_full_keys(pid_m * BLOCK_M, BLOCK_M, T, TK, LEFT, RIGHT)
+        first = (lo // BLOCK_N) * BLOCK_N
+        inner_lo, inner_hi = whole_tiles(full_lo, tl.minimum(full_hi, hi), first, BLOCK_N)
+        for start_n in range(first, inner_lo, BLOCK_N):
+            dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
+                          qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, TMA,
+                          True, PAD)
+        for start_n in range(inner_lo, inner_hi, BLOCK_N):
+            if PAD and not SEG:
+                if all_real(key_tags(key_row, start_n + tl.arange(0, BLOCK_N), TK, True)):
+                    dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
+                                  qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, False, TMA,
+                                  False, False)
+                else:
+                    dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
+                                  qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, TMA,
+                                  True, PAD)
+            else:
+                dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
+                              qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, False, TMA,
+                              False, False)
+        for start_n in range(inner_hi, hi, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
                           qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, TMA,
                           True, PAD)
@@ -334,12 +388,26 @@ def _dkdv_head(k, v, keep_row, stride_keep, ktags, dk, dv, Q, DO, LSE, DELTA, bh
     row_off = bh.to(tl.int64) * T
     QS = _head_rows(Q, q_off, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
     DOS = _head_rows(DO, do_off, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
-    if MASK:  # every query tile whose band (and, packed, the keys' sequences) reaches this key tile, each masked
+    if MASK:  # every query tile whose band (and, packed, the keys' sequences) reaches this key tile; masked unless
+        # every query of the tile sees every key of this one (and, with key padding, no key here is padded)
         if SEG:
             lo, hi = packed_queries(keep_row + T, stride_keep, offs_n, TK, LEFT, RIGHT)
+            full_lo, full_hi = packed_full_queries(keep_row + T, stride_keep, offs_n, TK, ktags, LEFT, RIGHT)
         else:
             lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
-        for start_m in range((lo // BLOCK_M) * BLOCK_M, hi, BLOCK_M):
+            full_lo, full_hi = band_full_queries(pid_n * BLOCK_N, BLOCK_N, T, TK, LEFT, RIGHT)
+            full_hi = tl.where(all_real(ktags), full_hi, full_lo)  # key padding: none of these keys padded
+        first = (lo // BLOCK_M) * BLOCK_M
+        inner_lo, inner_hi = whole_tiles(full_lo, tl.minimum(full_hi, hi), first, BLOCK_M)
+        for start_m in range(first, inner_lo, BLOCK_M):
+            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+                                stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
+                                HEAD_DIM, False, True, TMA, True, SEG)
+        for start_m in range(inner_lo, inner_hi, BLOCK_M):
+            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
+                                stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
+                                HEAD_DIM, False, False, TMA, False, False)
+        for start_m in range(inner_hi, hi, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
                                 stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
                                 HEAD_DIM, False, True, TMA, True, SEG)
