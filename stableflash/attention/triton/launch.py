@@ -437,14 +437,17 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         def rows(m):
             return _ceil_div(T, m["BLOCK_M"]), B * H
 
-        def cols(m):  # natively one program per key/value head (`GROUP`), under emulation per query head
-            return _ceil_div(TK, m["BLOCK_N"]), B * H // (1 if shares else G)
+        in_program = G > 1 and not shares  # one program per key/value head (`GROUP`), else per query head
+
+        def cols(m):  # grouped: (heads, key tiles), each head's heaviest causal key tiles first (`HEAVY_FIRST`)
+            tiles = _ceil_div(TK, m["BLOCK_N"])
+            return (B * H // G, tiles) if in_program else (tiles, B * H)
 
         if spec.native:
             scratch = _tma_candidates(spec, D, q, k, v, dout)
             if scratch:
                 _allow_device_descriptors()
-            grouped = {"GROUP": G} if G > 1 and not shares else {}  # absent otherwise: MHA's picks keep their keys
+            grouped = {"GROUP": G, "HEAVY_FIRST": True} if in_program else {}  # absent otherwise: MHA's picks
             bound = [_run_tuned(tunable, grid, args, meta, T=T, dtype=q.dtype, either=scratch, traced=traced)
                      for tunable, grid, args, meta in zip((NATIVE_DQ, NATIVE_DKDV), (rows, cols), launch_args,
                                                           (launch, {**launch, **grouped}))]

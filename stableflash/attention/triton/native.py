@@ -439,14 +439,17 @@ def attn_bwd_dkdv(
     TK, LEFT, RIGHT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, GROUP: tl.constexpr = 1, SEG: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False,
 ):
     """dK and dV (both with strides `stride_g*`) of one key tile, over the query tiles that see it. With GROUP > 1
     (grouped-query attention, GROUP = G) a program serves one key/value head, grid (key tiles, B·H / G), and sums its
     group's query heads in fp32 before it stores, as flash-attn does; else one query head's share (GQA under
-    emulation: summed over each group by the launcher)."""
+    emulation: summed over each group by the launcher). With HEAVY_FIRST the grid is (heads, key tiles), so that
+    every head's first key tiles, which see the most causal query tiles, start before any head's last."""
     qk_scale, scale = fp32(qk_scale), fp32(scale)
-    pid_n = tl.program_id(0)
-    first = tl.program_id(1) * GROUP  # the first query head (batch·head) of the program
+    pid_n = tl.program_id(1) if HEAVY_FIRST else tl.program_id(0)
+    program = tl.program_id(0) if HEAVY_FIRST else tl.program_id(1)
+    first = program * GROUP  # the first query head (batch·head) of the program
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = load_rows(K + kv_head_offset(first, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM)
     v = load_rows(V + kv_head_offset(first, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM)
@@ -458,6 +461,6 @@ def attn_bwd_dkdv(
         dk, dv = _dkdv_head(k, v, keep_row, stride_keep, ktags, dk, dv, Q, DO, LSE, DELTA, first + g, pid_n, offs_n, H, T,
                             TK, LEFT, RIGHT, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
                             qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA, MASK, SEG)
-    out = head_offset(tl.program_id(1), H // GROUP, stride_gb, stride_gh)
+    out = head_offset(program, H // GROUP, stride_gb, stride_gh)
     store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM)
     store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM)
