@@ -8,7 +8,8 @@
 # agreement: how often the emulated presets give the reference's bits (scripts/emulation_agreement.py)
 # cost: SFA's and the statistics' cost and SFA vs FA2 over 7 interleaved rounds, from a graph (and eager at T = 1024)
 # narrow: the dose-response study's numerics (e8m4 nearest, toward zero, stochastic) as a ratio to the `paper` kernel
-# gqa: GQA against MHA at the same FLOPs, its group summed in the dK/dV programs or afterwards; masked: windows and padding against FlexAttention and SDPA;
+# gqa: GQA against MHA at the same FLOPs, its group summed in the dK/dV programs or afterwards;
+# masked: windows and padding against FlexAttention and SDPA;
 # hf: a transformers Llama's compiled training step, sdpa against ours
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
 set -u

@@ -216,6 +216,22 @@ def whole_tiles(lo, hi, first, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def masked_key_tiles(KEEP_ROW, stride, offs_m, start_m, T, TK, LEFT, RIGHT, qtags, aligned, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SEG: tl.constexpr):
+    """The key loop of a masked query tile, (first, a, b, hi): tiles from `first` up to hi that the band (and,
+    packed, the rows' sequences) reaches, of which [a, b) are tiles where every query sees every key."""
+    if SEG:
+        lo, hi = packed_keys(KEEP_ROW, stride, offs_m, T, aligned, LEFT, RIGHT)
+        full_lo, full_hi = packed_full_keys(KEEP_ROW, stride, offs_m, T, qtags, aligned, LEFT, RIGHT)
+    else:
+        lo, hi = band_keys(start_m, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
+        full_lo, full_hi = band_full_keys(start_m, BLOCK_M, T, TK, LEFT, RIGHT)
+    first = (lo // BLOCK_N) * BLOCK_N
+    a, b = whole_tiles(full_lo, tl.minimum(full_hi, hi), first, BLOCK_N)
+    return first, a, b, hi
+
+
+@triton.jit
 def all_real(tags):
     """Whether every key of a key-padding tile is a real one (tag 1: `key_tags`)."""
     return (tl.min(tags, 0) == 1) & (tl.max(tags, 0) == 1)

@@ -439,7 +439,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
 
         in_program = G > 1 and not shares  # one program per key/value head (`GROUP`), else per query head
 
-        def cols(m):  # grouped: (heads, key tiles), each head's heaviest causal key tiles first (`HEAVY_FIRST`)
+        def cols(m):  # grouped: (heads, key tiles), each head's heaviest causal key tiles first
             tiles = _ceil_div(TK, m["BLOCK_N"])
             return (B * H // G, tiles) if in_program else (tiles, B * H)
 
@@ -447,7 +447,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
             scratch = _tma_candidates(spec, D, q, k, v, dout)
             if scratch:
                 _allow_device_descriptors()
-            grouped = {"GROUP": G, "HEAVY_FIRST": True} if in_program else {}  # absent otherwise: MHA's picks
+            grouped = {"GROUP": G} if in_program else {}  # absent otherwise: MHA's picks keep their keys
             bound = [_run_tuned(tunable, grid, args, meta, T=T, dtype=q.dtype, either=scratch, traced=traced)
                      for tunable, grid, args, meta in zip((NATIVE_DQ, NATIVE_DKDV), (rows, cols), launch_args,
                                                           (launch, {**launch, **grouped}))]

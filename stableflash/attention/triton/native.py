@@ -22,9 +22,7 @@ import triton.language as tl
 from stableflash.attention.triton.common import (
     add_stats,
     all_real,
-    band_full_keys,
     band_full_queries,
-    band_keys,
     band_queries,
     band_visible,
     band_visible_t,
@@ -36,10 +34,9 @@ from stableflash.attention.triton.common import (
     kv_head_offset,
     load_lse,
     load_rows,
+    masked_key_tiles,
     mul_rn,
-    packed_full_keys,
     packed_full_queries,
-    packed_keys,
     packed_queries,
     query_tags,
     query_tile_program,
@@ -181,14 +178,8 @@ def attn_fwd(
     key_row = keep_row + T if SEG else keep_row  # a packed batch's table: the keys' columns follow the queries'
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
     if MASK:  # every tile the band (and, packed, the rows' sequences) reaches; masked unless every query sees every key
-        if SEG:
-            lo, hi = packed_keys(keep_row, stride_keep, offs_m, T, aligned, LEFT, RIGHT)
-            full_lo, full_hi = packed_full_keys(keep_row, stride_keep, offs_m, T, qtags, aligned, LEFT, RIGHT)
-        else:
-            lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
-            full_lo, full_hi = band_full_keys(pid_m * BLOCK_M, BLOCK_M, T, TK, LEFT, RIGHT)
-        first = (lo // BLOCK_N) * BLOCK_N
-        inner_lo, inner_hi = whole_tiles(full_lo, tl.minimum(full_hi, hi), first, BLOCK_N)
+        first, inner_lo, inner_hi, hi = masked_key_tiles(keep_row, stride_keep, offs_m, pid_m * BLOCK_M, T, TK, LEFT,
+                                                         RIGHT, qtags, aligned, BLOCK_M, BLOCK_N, SEG)
         for start_n in range(first, inner_lo, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
@@ -315,14 +306,8 @@ def attn_bwd_dq(
     key_row = keep_row + T if SEG else keep_row
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
     if MASK:  # as the forward: the tiles where every query sees every key unmasked
-        if SEG:
-            lo, hi = packed_keys(keep_row, stride_keep, offs_m, T, aligned, LEFT, RIGHT)
-            full_lo, full_hi = packed_full_keys(keep_row, stride_keep, offs_m, T, qtags, aligned, LEFT, RIGHT)
-        else:
-            lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
-            full_lo, full_hi = band_full_keys(pid_m * BLOCK_M, BLOCK_M, T, TK, LEFT, RIGHT)
-        first = (lo // BLOCK_N) * BLOCK_N
-        inner_lo, inner_hi = whole_tiles(full_lo, tl.minimum(full_hi, hi), first, BLOCK_N)
+        first, inner_lo, inner_hi, hi = masked_key_tiles(keep_row, stride_keep, offs_m, pid_m * BLOCK_M, T, TK, LEFT,
+                                                         RIGHT, qtags, aligned, BLOCK_M, BLOCK_N, SEG)
         for start_n in range(first, inner_lo, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
                           qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, TMA,
@@ -439,16 +424,15 @@ def attn_bwd_dkdv(
     TK, LEFT, RIGHT,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, GROUP: tl.constexpr = 1, SEG: tl.constexpr = False,
-    HEAVY_FIRST: tl.constexpr = False,
 ):
     """dK and dV (both with strides `stride_g*`) of one key tile, over the query tiles that see it. With GROUP > 1
-    (grouped-query attention, GROUP = G) a program serves one key/value head, grid (key tiles, B·H / G), and sums its
-    group's query heads in fp32 before it stores, as flash-attn does; else one query head's share (GQA under
-    emulation: summed over each group by the launcher). With HEAVY_FIRST the grid is (heads, key tiles), so that
-    every head's first key tiles, which see the most causal query tiles, start before any head's last."""
+    (grouped-query attention, GROUP = G) a program serves one key/value head and sums its group's query heads in
+    fp32 before it stores, as flash-attn 3 does, on a grid (B·H / G, key tiles): every head's first key tiles, which
+    see the most causal query tiles, start before any head's last. Else one query head's share, grid (key tiles,
+    B·H) (GQA with `group_sum_in_program` off, or under emulation: summed over each group by the launcher)."""
     qk_scale, scale = fp32(qk_scale), fp32(scale)
-    pid_n = tl.program_id(1) if HEAVY_FIRST else tl.program_id(0)
-    program = tl.program_id(0) if HEAVY_FIRST else tl.program_id(1)
+    pid_n = tl.program_id(1) if GROUP > 1 else tl.program_id(0)
+    program = tl.program_id(0) if GROUP > 1 else tl.program_id(1)
     first = program * GROUP  # the first query head (batch·head) of the program
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = load_rows(K + kv_head_offset(first, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM)

@@ -84,8 +84,7 @@ BAND_SWITCHES = ("MASK", "PAD", "SEG")
 NATIVE_FWD = Tunable.of(native.attn_fwd, FWD_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *BAND_SWITCHES),
                         restore=("STAT_COUNTS",))
 NATIVE_DQ = Tunable.of(native.attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES))
-NATIVE_DKDV = Tunable.of(native.attn_bwd_dkdv, DKDV_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES, "GROUP",
-                                                                   "HEAVY_FIRST"))
+NATIVE_DKDV = Tunable.of(native.attn_bwd_dkdv, DKDV_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES, "GROUP"))
 
 
 PickKey = tuple
