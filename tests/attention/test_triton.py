@@ -656,6 +656,9 @@ def test_tma_loads_give_the_pointer_loads_bits(causal, monkeypatch):
             name = spec_name(resolve("fa2"), None, torch.bfloat16, D, T)
             out, _, lse, _, _ = launch.forward(hq, hk, hv, causal, D**-0.5, name, False, 0.0)
             run += launch.backward(dout, hq, hk, hv, out, lse, causal, D**-0.5, name)
+            gk, gv = hk[:, :1], hv[:, :1]  # grouped: the dK/dV program reads its three query heads by one descriptor
+            out, _, lse, _, _ = launch.forward(hq, gk, gv, causal, D**-0.5, name, False, 0.0)
+            run += launch.backward(dout, hq, gk, gv, out, lse, causal, D**-0.5, name)
             results.append(run)
     for i, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), f"output {i}"

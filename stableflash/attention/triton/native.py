@@ -345,13 +345,38 @@ def attn_bwd_dq(
 
 
 @triton.jit
-def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt, stride_dot, qk_scale,
-               dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-               CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr):
-    """One query tile's share of dK and dV."""
+def _group_heads(X, x_off, stride_h, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                 TMA: tl.constexpr):
+    """Under TMA, one tensor descriptor of a group's GROUP heads of (T, HEAD_DIM) rows from X + x_off, in blocks of
+    ROWS rows of one head (rows past T read as 0); else X itself."""
+    if TMA:
+        d = tl.make_tensor_descriptor(X + x_off, [GROUP, T, HEAD_DIM], [stride_h, stride_t, 1], [1, ROWS, HEAD_DIM])
+    else:
+        d = X
+    return d
+
+
+@triton.jit
+def _group_rows(X, x_off, g, stride_h, start, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                TMA: tl.constexpr):
+    """Rows start..start+ROWS of the group's head g (`_group_heads`); rows past T read as 0."""
+    if TMA:
+        t = tl.reshape(X.load([g, start, 0]), (ROWS, HEAD_DIM))
+    else:
+        t = load_rows(X + x_off + g * stride_h, start + tl.arange(0, ROWS), stride_t, T, HEAD_DIM)
+    return t
+
+
+@triton.jit
+def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, start_m, offs_n, T, stride_qh, stride_qt, stride_doh,
+               stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M: tl.constexpr,
+               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
+               MASK: tl.constexpr, SEG: tl.constexpr):
+    """One query tile's share of dK and dV, of the group's query head g (batch·head first + g)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _tile_rows(Q, q_off, start_m, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
-    do = _tile_rows(DO, do_off, start_m, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
+    q = _group_rows(Q, q_off, g, stride_qh, start_m, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
+    do = _group_rows(DO, do_off, g, stride_doh, start_m, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
+    row_off = (first + g).to(tl.int64) * T
     lse = load_lse(LSE + row_off, offs_m, T)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
@@ -363,56 +388,27 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n,
 
 
 @triton.jit
-def _dkdv_head(k, v, keep_row, stride_keep, ktags, dk, dv, Q, DO, LSE, DELTA, bh, pid_n, offs_n, H, T, TK, LEFT, RIGHT,
-               stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, qk_scale, HEAD_DIM: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
-               MASK: tl.constexpr, SEG: tl.constexpr):
-    """Query head bh's share of one key tile's dK and dV, over the query tiles that see it, added to dk, dv."""
-    q_off = head_offset(bh, H, stride_qb, stride_qh)
-    do_off = head_offset(bh, H, stride_dob, stride_doh)
-    row_off = bh.to(tl.int64) * T
-    QS = _head_rows(Q, q_off, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
-    DOS = _head_rows(DO, do_off, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
-    if MASK:  # every query tile whose band (and, packed, the keys' sequences) reaches this key tile; masked unless
-        # every query of the tile sees every key of this one (and, with key padding, no key here is padded)
-        if SEG:
-            lo, hi = packed_queries(keep_row + T, stride_keep, offs_n, TK, LEFT, RIGHT)
-            full_lo, full_hi = packed_full_queries(keep_row + T, stride_keep, offs_n, TK, ktags, LEFT, RIGHT)
-        else:
-            lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
-            full_lo, full_hi = band_full_queries(pid_n * BLOCK_N, BLOCK_N, T, TK, LEFT, RIGHT)
-            full_hi = tl.where(all_real(ktags), full_hi, full_lo)  # key padding: none of these keys padded
-        first = (lo // BLOCK_M) * BLOCK_M
-        inner_lo, inner_hi = whole_tiles(full_lo, tl.minimum(full_hi, hi), first, BLOCK_M)
-        for start_m in range(first, inner_lo, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
-                                HEAD_DIM, False, True, TMA, True, SEG)
-        for start_m in range(inner_lo, inner_hi, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
-                                HEAD_DIM, False, False, TMA, False, False)
-        for start_m in range(inner_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
-                                HEAD_DIM, False, True, TMA, True, SEG)
+def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, q_off, do_off, first, lo, hi, offs_n, T, stride_qh, stride_qt,
+                stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row, stride_keep, ktags,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+                MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr):
+    """The query tiles at lo, lo + BLOCK_M, ... below hi of each of the group's GROUP query heads, added to dk, dv.
+
+    A group's heads run as one loop over (head, tile) pairs, which the compiler pipelines as it does one head's
+    tiles: a loop per head (unrolled or not) made ptxas serialise the tensor-core products or spill
+    (`research/offline_compile.py`)."""
+    if GROUP == 1:
+        for start_m in range(lo, hi, BLOCK_M):
+            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, 0, start_m, offs_n, T, stride_qh,
+                                stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row,
+                                stride_keep, ktags, BLOCK_M, HEAD_DIM, CAUSAL, MASKED, TMA, MASK, SEG)
     else:
-        # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
-        diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
-        free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
-        for start_m in range(lo, diag_end, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
-                                HEAD_DIM, CAUSAL, True, TMA, False, False)
-        for start_m in range(diag_end, free_end, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
-                                HEAD_DIM, CAUSAL, False, TMA, False, False)
-        for start_m in range(free_end, T, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, QS, DOS, LSE, DELTA, q_off, do_off, row_off, start_m, offs_n, T, stride_qt,
-                                stride_dot, qk_scale, dk, dv, T, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M,
-                                HEAD_DIM, CAUSAL, True, TMA, False, False)
+        tiles = tl.cdiv(hi - lo, BLOCK_M)  # <= 0 where there are none
+        for i in range(GROUP * tiles):
+            g = i // tiles
+            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, lo + (i - g * tiles) * BLOCK_M,
+                                offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK, LEFT,
+                                RIGHT, keep_row, stride_keep, ktags, BLOCK_M, HEAD_DIM, CAUSAL, MASKED, TMA, MASK, SEG)
     return dk, dv
 
 
@@ -439,12 +435,46 @@ def attn_bwd_dkdv(
     v = load_rows(V + kv_head_offset(first, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM)
     keep_row = KEEP + (first // H).to(tl.int64) * stride_keep
     ktags = key_tags(keep_row + T if SEG else keep_row, offs_n, TK, PAD)
+    q_off = head_offset(first, H, stride_qb, stride_qh)  # the group's first query head; the others follow by stride
+    do_off = head_offset(first, H, stride_dob, stride_doh)
+    QS = _group_heads(Q, q_off, stride_qh, stride_qt, T, BLOCK_M, HEAD_DIM, GROUP, TMA)
+    DOS = _group_heads(DO, do_off, stride_doh, stride_dot, T, BLOCK_M, HEAD_DIM, GROUP, TMA)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
-    for g in tl.static_range(GROUP):
-        dk, dv = _dkdv_head(k, v, keep_row, stride_keep, ktags, dk, dv, Q, DO, LSE, DELTA, first + g, pid_n, offs_n, H, T,
-                            TK, LEFT, RIGHT, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
-                            qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA, MASK, SEG)
+    if MASK:  # every query tile whose band (and, packed, the keys' sequences) reaches this key tile; masked unless
+        # every query of the tile sees every key of this one (and, with key padding, no key here is padded)
+        if SEG:
+            lo, hi = packed_queries(keep_row + T, stride_keep, offs_n, TK, LEFT, RIGHT)
+            full_lo, full_hi = packed_full_queries(keep_row + T, stride_keep, offs_n, TK, ktags, LEFT, RIGHT)
+        else:
+            lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
+            full_lo, full_hi = band_full_queries(pid_n * BLOCK_N, BLOCK_N, T, TK, LEFT, RIGHT)
+            full_hi = tl.where(all_real(ktags), full_hi, full_lo)  # key padding: none of these keys padded
+        first_m = (lo // BLOCK_M) * BLOCK_M
+        inner_lo, inner_hi = whole_tiles(full_lo, tl.minimum(full_hi, hi), first_m, BLOCK_M)
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, first_m, inner_lo, offs_n, T,
+                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row,
+                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, False, True, TMA, True, SEG)
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, inner_lo, inner_hi, offs_n, T,
+                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row,
+                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, False, False, TMA, False, False)
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, inner_hi, hi, offs_n, T,
+                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row,
+                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, False, True, TMA, True, SEG)
+    else:
+        # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+        diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
+        free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, lo, diag_end, offs_n, T,
+                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, T, LEFT, RIGHT, keep_row,
+                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, True, TMA, False, False)
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, diag_end, free_end, offs_n, T,
+                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, T, LEFT, RIGHT, keep_row,
+                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, False, TMA, False, False)
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, free_end, T, offs_n, T,
+                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, T, LEFT, RIGHT, keep_row,
+                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, True, TMA, False, False)
     out = head_offset(program, H // GROUP, stride_gb, stride_gh)
     store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM)
     store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM)
