@@ -184,6 +184,48 @@ def profile_steps(shape, steps: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
+def gap_steps(shape, steps: int) -> dict:
+    """Where the GPU waits for the host in the eager benchmark's loop, as `do_bench` runs it (its 256 MB L2 flush,
+    then one forward+backward from a drained-by-then queue): every GPU operation's start and end from
+    torch.profiler's trace, and per operation the median idle time before it (since the previous one ended) and
+    its median duration. An idle gap before a kernel is host time on the critical path (the profiler's own
+    callbacks add a little to it)."""
+    import tempfile
+
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    report = {}
+    for name, fn in calls(shape[1]).items():
+        def step(fn=fn):
+            flush.zero_()
+            q.grad = k.grad = v.grad = None
+            fn(q, k, v).backward(dout)
+
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+            prof.export_chrome_trace(trace.name)
+            events = json.loads(Path(trace.name).read_text())["traceEvents"]
+        ops = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+        idle, busy = {}, {}
+        for before, op in zip(ops, ops[1:]):
+            label = op["name"].split("(")[0][:40]
+            idle.setdefault(label, []).append(op["ts"] - before["ts"] - before["dur"])
+            busy.setdefault(label, []).append(op["dur"])
+        report[name] = {label: {"idle_us": statistics.median(idle[label]), "busy_us": statistics.median(busy[label]),
+                                "count": len(idle[label])} for label in idle}
+        print(f"{name}: median idle before / duration of each GPU operation, µs, over {steps} steps", flush=True)
+        for label, row in report[name].items():
+            print(f"  {label:<42} idle {row['idle_us']:7.1f}   busy {row['busy_us']:7.1f}   ({row['count']})", flush=True)
+    return report
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -195,6 +237,8 @@ def main():
                         help="instead: each call's forward and backward host time apart, and torch.profiler's table")
     parser.add_argument("--sections", type=int, default=0, metavar="STEPS",
                         help="instead: host µs per synced fa2 step in each part of the eager path")
+    parser.add_argument("--gaps", type=int, default=0, metavar="STEPS",
+                        help="instead: the GPU's idle time before each kernel of the eager benchmark's loop (JSON to --out)")
     args = parser.parse_args()
     shape = tuple(int(x) for x in args.shape.split(","))
     if args.trace:
@@ -202,6 +246,10 @@ def main():
         return
     if args.sections:
         section_steps(shape, args.sections)
+        return
+    if args.gaps:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(gap_steps(shape, args.gaps), indent=2))
         return
     if args.profile:
         profile_steps(shape, args.profile)
