@@ -205,6 +205,11 @@ def gap_steps(shape, steps: int) -> dict:
         for _ in range(20):
             step()
         torch.cuda.synchronize()
+        start = time.perf_counter()  # the host's issue time per step: the queue (~1000 entries) never fills here
+        for _ in range(steps):
+            step()
+        host = (time.perf_counter() - start) / steps * 1e6
+        torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 step()
@@ -220,8 +225,10 @@ def gap_steps(shape, steps: int) -> dict:
             busy.setdefault(label, []).append(op["dur"])
         report[name] = {label: {"idle_us": statistics.median(idle[label]), "busy_us": statistics.median(busy[label]),
                                 "count": len(idle[label])} for label in idle}
-        print(f"{name}: median idle before / duration of each GPU operation, µs, over {steps} steps", flush=True)
-        for label, row in report[name].items():
+        report[name]["host issue"] = {"us_per_step": host}
+        print(f"{name}: host issue {host:.1f} µs per step; median idle before / duration of each GPU operation, µs, "
+              f"over {steps} steps", flush=True)
+        for label, row in list(report[name].items())[:-1]:
             print(f"  {label:<42} idle {row['idle_us']:7.1f}   busy {row['busy_us']:7.1f}   ({row['count']})", flush=True)
     return report
 
