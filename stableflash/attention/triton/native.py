@@ -10,8 +10,8 @@ or query tiles (dK/dV) by tensor descriptors, which the autotuner may choose at 
 TK keys against T queries with a band (causal aligned to the bottom right, a sliding window: `LEFT`, `RIGHT`) and,
 with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), or with `PAD` and `SEG` a packed batch of sequences whose
 queries and keys may differ in length (`KEEP`, the (4, T + TK) int32 table `common.py` describes; the band aligned
-to each sequence's bottom right): only tiles the band and the sequences reach are visited, and each is masked but
-where every query of the tile sees every key (with key padding: and none of its keys is padded).
+to each sequence's bottom right): every tile it visits is masked, and only tiles the band and the sequences reach
+are visited.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import triton.language as tl
 
 from stableflash.attention.triton.common import (
     add_stats,
-    all_real,
-    band_full_queries,
+    band_keys,
     band_queries,
     band_visible,
     band_visible_t,
@@ -34,9 +33,8 @@ from stableflash.attention.triton.common import (
     kv_head_offset,
     load_lse,
     load_rows,
-    masked_key_tiles,
     mul_rn,
-    packed_full_queries,
+    packed_keys,
     packed_queries,
     query_tags,
     query_tile_program,
@@ -45,7 +43,6 @@ from stableflash.attention.triton.common import (
     store_rows,
     top2,
     visible,
-    whole_tiles,
 )
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -177,32 +174,12 @@ def attn_fwd(
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
     key_row = keep_row + T if SEG else keep_row  # a packed batch's table: the keys' columns follow the queries'
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
-    if MASK:  # every tile the band (and, packed, the rows' sequences) reaches; masked unless every query sees every key
-        first, inner_lo, inner_hi, hi = masked_key_tiles(keep_row, stride_keep, offs_m, pid_m * BLOCK_M, T, TK, LEFT,
-                                                         RIGHT, qtags, aligned, BLOCK_M, BLOCK_N, SEG)
-        for start_n in range(first, inner_lo, BLOCK_N):
-            m, l, acc, repeated, ones, smax = _fwd_tile(
-                q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA,
-                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, True, PAD)
-        for start_n in range(inner_lo, inner_hi, BLOCK_N):  # key padding: unmasked where the tile has no padded key
-            if PAD and not SEG:
-                if all_real(key_tags(key_row, start_n + tl.arange(0, BLOCK_N), TK, True)):
-                    m, l, acc, repeated, ones, smax = _fwd_tile(
-                        q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                        smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, False, STAB, STATS, BETA,
-                        LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
-                else:
-                    m, l, acc, repeated, ones, smax = _fwd_tile(
-                        q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                        smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA,
-                        LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, True, PAD)
-            else:
-                m, l, acc, repeated, ones, smax = _fwd_tile(
-                    q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                    smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, False, STAB, STATS, BETA,
-                    LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
-        for start_n in range(inner_hi, hi, BLOCK_N):
+    if MASK:  # every tile the band (and, packed, the rows' sequences) reaches, each masked
+        if SEG:
+            lo, hi = packed_keys(keep_row, stride_keep, offs_m, T, aligned, LEFT, RIGHT)
+        else:
+            lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
+        for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
                 smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA,
@@ -305,28 +282,12 @@ def attn_bwd_dq(
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
     key_row = keep_row + T if SEG else keep_row
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
-    if MASK:  # as the forward: the tiles where every query sees every key unmasked
-        first, inner_lo, inner_hi, hi = masked_key_tiles(keep_row, stride_keep, offs_m, pid_m * BLOCK_M, T, TK, LEFT,
-                                                         RIGHT, qtags, aligned, BLOCK_M, BLOCK_N, SEG)
-        for start_n in range(first, inner_lo, BLOCK_N):
-            dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, TMA,
-                          True, PAD)
-        for start_n in range(inner_lo, inner_hi, BLOCK_N):
-            if PAD and not SEG:
-                if all_real(key_tags(key_row, start_n + tl.arange(0, BLOCK_N), TK, True)):
-                    dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                                  qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, False, TMA,
-                                  False, False)
-                else:
-                    dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                                  qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, TMA,
-                                  True, PAD)
-            else:
-                dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                              qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, False, TMA,
-                              False, False)
-        for start_n in range(inner_hi, hi, BLOCK_N):
+    if MASK:  # as the forward: every tile the band (and, packed, the rows' sequences) reaches, each masked
+        if SEG:
+            lo, hi = packed_keys(keep_row, stride_keep, offs_m, T, aligned, LEFT, RIGHT)
+        else:
+            lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
+        for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
                           qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, TMA,
                           True, PAD)
@@ -441,26 +402,14 @@ def attn_bwd_dkdv(
     DOS = _group_heads(DO, do_off, stride_doh, stride_dot, T, BLOCK_M, HEAD_DIM, GROUP, TMA)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
-    if MASK:  # every query tile whose band (and, packed, the keys' sequences) reaches this key tile; masked unless
-        # every query of the tile sees every key of this one (and, with key padding, no key here is padded)
+    if MASK:  # every query tile whose band (and, packed, the keys' sequences) reaches this key tile, each masked
         if SEG:
             lo, hi = packed_queries(keep_row + T, stride_keep, offs_n, TK, LEFT, RIGHT)
-            full_lo, full_hi = packed_full_queries(keep_row + T, stride_keep, offs_n, TK, ktags, LEFT, RIGHT)
         else:
             lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
-            full_lo, full_hi = band_full_queries(pid_n * BLOCK_N, BLOCK_N, T, TK, LEFT, RIGHT)
-            full_hi = tl.where(all_real(ktags), full_hi, full_lo)  # key padding: none of these keys padded
-        first_m = (lo // BLOCK_M) * BLOCK_M
-        inner_lo, inner_hi = whole_tiles(full_lo, tl.minimum(full_hi, hi), first_m, BLOCK_M)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, first_m, inner_lo, offs_n, T,
-                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row,
-                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, False, True, TMA, True, SEG)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, inner_lo, inner_hi, offs_n, T,
-                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row,
-                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, False, False, TMA, False, False)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, inner_hi, hi, offs_n, T,
-                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row,
-                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, False, True, TMA, True, SEG)
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, (lo // BLOCK_M) * BLOCK_M, hi,
+                             offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT,
+                             keep_row, stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, False, True, TMA, True, SEG)
     else:
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
