@@ -77,6 +77,22 @@ def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
     assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_grouped_dkdv_program_compiles_like_mhas(head_dim):
+    """GQA's dK/dV program sums its group of 4 query heads in one loop over (query head, query tile) pairs: its wgmmas
+    stay asynchronous and it needs no more registers or spills than MHA's program at the same tile. (A loop per head
+    around the tile loop serialised every wgmma and took 255 registers against MHA's 159 at 32x64, D = 64.)"""
+    config = tuning.config(32, 64, 4, 3, TMA=False)
+    name = _name("fa2", head_dim=head_dim)
+    usage = {}
+    for group in (1, 4):
+        compiled = compile_kernel(name, "dkdv", {**constexprs(name, "dkdv", head_dim, config), "GROUP": group}, config)
+        assert wgmma_serialization(compiled) is None, f"GROUP {group}"
+        usage[group] = resource_usage(compiled)
+    assert usage[4]["registers"] <= usage[1]["registers"] + 16, usage
+    assert usage[4]["spill_stack_bytes"] <= usage[1]["spill_stack_bytes"], usage
+
+
 @pytest.mark.parametrize("stabilize", [None, SFA()])
 def test_native_forward_scales_scores_without_contraction(stabilize):
     """Scores are fl(qk·scale) before exp2(s − m): contracted into exp2(fma(qk, scale, −m)), a row's maximum gets the

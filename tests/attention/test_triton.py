@@ -329,9 +329,9 @@ def test_masked_calls_run_in_the_kernels(case, stabilize, head_dim):
 
 @pytest.mark.parametrize("mask", ["no key padded", "a window wider than the rows", "packed, one sequence"])
 def test_a_mask_that_hides_nothing_gives_the_plain_kernels_bits(mask, monkeypatch):
-    """The masked form runs the tiles where every query sees every key without a mask, as the plain causal kernels
-    run the tiles left of the diagonal: a causal call whose mask hides nothing more gives the plain call's bits
-    (outputs and gradients; one 64x64 tile for both, several tiles a side, a ragged end)."""
+    """A causal call whose mask hides nothing more runs the masked form (every visited tile masked) and gives the
+    plain call's bits: the mask is the identity where the plain kernels skip it, and both visit the same tiles in the
+    same order (outputs and gradients; one 64x64 tile for both, several tiles a side, a ragged end)."""
     from stableflash.attention import triton as backend
 
     launch = _fixed_tile(monkeypatch)
