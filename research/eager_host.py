@@ -223,13 +223,13 @@ def gap_steps(shape, steps: int) -> dict:
             label = op["name"].split("(")[0][:40]
             idle.setdefault(label, []).append(op["ts"] - before["ts"] - before["dur"])
             busy.setdefault(label, []).append(op["dur"])
-        report[name] = {label: {"idle_us": statistics.median(idle[label]), "busy_us": statistics.median(busy[label]),
-                                "count": len(idle[label])} for label in idle}
-        report[name]["host issue"] = {"us_per_step": host}
+        per_op = {label: {"idle_us": statistics.median(idle[label]), "busy_us": statistics.median(busy[label]),
+                          "count": len(idle[label])} for label in idle}
         print(f"{name}: host issue {host:.1f} µs per step; median idle before / duration of each GPU operation, µs, "
               f"over {steps} steps", flush=True)
-        for label, row in list(report[name].items())[:-1]:
+        for label, row in per_op.items():
             print(f"  {label:<42} idle {row['idle_us']:7.1f}   busy {row['busy_us']:7.1f}   ({row['count']})", flush=True)
+        report[name] = {**per_op, "host issue": {"us_per_step": host}}
     return report
 
 
