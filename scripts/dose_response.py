@@ -36,7 +36,7 @@ ARMS = {
                 f"attention.rounding_sites={PV_PATH}"],
     "e8m4-tz": ["attention.precision=paper", *_pv("e8m4"), "attention.rounding=toward_zero",
                 f"attention.rounding_sites={PV_PATH}"],
-    "e8m4-sfa": ["attention.precision=paper", *_pv("e8m4"), "attention.stabilize=sfa-bounded"],
+    "e8m4-sfa": ["attention.precision=paper", *_pv("e8m4"), "attention.stabilize=sfa"],
     "e8m4-pv32": ["attention.precision=paper", "attention.pv_fp32=true", "attention.sites.pbar_operand=e8m4"],
 }
 FRACTION_BITS = {"e8m3": 3, "e8m4": 4, "paper": 7}
@@ -46,7 +46,7 @@ SHORTEST_HOLD = 500
 """A run that the budget stopped before this step, without diverging, counts as neither holding nor diverging."""
 DELTA_STEPS = 10
 """Replayed steps over which `diagnose delta` sums δ's signed error, per arm and for the first failing run."""
-ISOLATION = "baseline,pv-fp32,delta-dp-p,o-fp32,heads-fp32,sfa-bounded"
+ISOLATION = "baseline,pv-fp32,delta-dp-p,o-fp32,heads-fp32,sfa"
 """The seed's isolation from the first failing run's checkpoint (docs/dose-response.md says why these)."""
 ISOLATION_MARGIN = 100
 """Steps each isolation experiment trains past the step at which its run diverged."""

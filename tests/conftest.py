@@ -1,3 +1,15 @@
+"""Test configuration. Without a CUDA GPU the kernel tests run on the CPU under Triton's interpreter: it must be on
+before Triton defines a kernel, so it is set here, before any test module imports the package."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if "PYTEST_XDIST_WORKER" in os.environ:  # one worker per core (`-n auto`): more threads would only contend
+    torch.set_num_threads(1)
+
 import pytest
 
 from stableflash.train.config import load_config

@@ -14,7 +14,9 @@ from stableflash.attention.mask import Visibility
 from stableflash.attention.precision import Precision, resolve
 from stableflash.attention.reference import reference_attention
 from stableflash.attention.stabilize import check_stabilize
-from stableflash.attention.stats import AttentionStats
+from stableflash.attention.stats import AttentionStats, tail_limit
+from stableflash.attention.stats import biasable as biasable_tile
+from stableflash.numerics.formats import get_format
 
 BACKENDS = ("auto", "reference", "triton", "math", "sdpa")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -77,9 +79,14 @@ def _math_attention(q, k, v, scale, vis: Visibility, stats):
         B, H, T, _ = q.shape
         finite = torch.where(torch.isfinite(s), s, -math.inf)
         pbar = torch.exp(s - torch.where(torch.isneginf(rm), 0.0, rm))
-        stats.add(slice(None), rows=B * T,
-                  repeated_max_rows=repeated.sum(dim=(0, 2)), pbar_ones=(pbar == 1).sum(dim=(0, 2, 3)),
-                  max_score=finite.float().amax(dim=(0, 2, 3)))
+        ones = (pbar == 1).sum(-1)
+        # one tile, P̄V in the inputs' dtype
+        limit = tail_limit(get_format(q.dtype).fraction_bits)
+        biasable = biasable_tile(ones, pbar.float().sum(-1) - ones, limit)
+        stats.add(slice(None), rows=B * T, repeated_max_rows=repeated.sum(dim=(0, 2)), pbar_ones=ones.sum(dim=(0, 2)),
+                  max_score=finite.float().amax(dim=(0, 2, 3)),
+                  repeated_max_rows_positive=(repeated & (rm.squeeze(-1) > 0)).sum(dim=(0, 2)),
+                  biasable_rows=biasable.sum(dim=(0, 2)))
     else:
         p = torch.softmax(s, dim=-1)
     # rows with no finite score (all -inf) give 0, as the reference does, not NaN

@@ -43,6 +43,7 @@ SITES = {
     "row_max": "tile row max and running max m",
     "pbar": "P̄ = exp(S - m), as the tile sum and the statistics see it",
     "pbar_operand": "P̄ as the P̄V matmul reads it (FA2 casts it to the input dtype)",
+    "v_operand": "V as the forward's P̄V matmul reads it ('input': V as given)",
     "tile_sum": "rowsum of P̄ over one tile",
     "pv": "P̄V, the tile's matmul result",
     "rescale": "c = exp(m_old - m_new)",
@@ -90,6 +91,7 @@ class Precision:
     row_max: str = "fp32"
     pbar: str = "fp32"
     pbar_operand: str = "fp32"
+    v_operand: str = "input"
     tile_sum: str = "fp32"
     pv: str = "fp32"
     rescale: str = "fp32"

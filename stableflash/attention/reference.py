@@ -31,7 +31,8 @@ import torch
 from stableflash.attention.mask import Visibility
 from stableflash.attention.precision import SITE_INDEX, Precision, rounds_backward_stochastically
 from stableflash.attention.stabilize import SFA, ClampPbar
-from stableflash.attention.stats import AttentionStats
+from stableflash.attention.stats import AttentionStats, tail_limit
+from stableflash.attention.stats import biasable as biasable_tile
 from stableflash.numerics.formats import get_format
 from stableflash.numerics.rounding import counter_bits, counter_noise, draw_seed, round_to
 
@@ -161,8 +162,10 @@ def _official_near_max_count(r: _Rounder, s: torch.Tensor, rm: torch.Tensor, eps
 
 @_policy_rounds_alone
 def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precision, stabilize=None,
-            stats: AttentionStats | None = None, heads=slice(None)):
-    """Tiled forward. Returns (out, o_saved, lse); see the module docstring for the rounding."""
+            stats: AttentionStats | None = None, heads=slice(None), row_flags: dict | None = None):
+    """Tiled forward. Returns (out, o_saved, lse); see the module docstring for the rounding. With `row_flags` (a
+    dict), it receives the statistics' per-row flags, (B, H, T) bool: "repeated", "positive" and "biasable"
+    (`AttentionStats`; near-maxima within `stats.eps`, or 1e-3 without `stats`)."""
     r = _Rounder(policy, q.dtype, stochastic_seed(policy))
     vis = _visibility(causal, q, k)
     B, H, T, D = q.shape
@@ -175,8 +178,11 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
     if policy.o_saved != "out":
         o_saved = torch.empty(B, H, T, D, dtype=get_format(policy.o_saved).torch_dtype, device=device)
     lse = torch.empty(B, H, T, 1, dtype=r.dtype("lse"), device=device)
-    if stats is not None:
-        repeated = torch.zeros(B, H, T, 1, dtype=torch.bool, device=device)
+    counting = stats is not None or row_flags is not None
+    eps = stats.eps if stats is not None else AttentionStats.eps
+    if counting:
+        limit = tail_limit(r.format("pv").fraction_bits)
+        repeated, positive, biasable = (torch.zeros(B, H, T, 1, dtype=torch.bool, device=device) for _ in range(3))
         ones = torch.zeros(H, dtype=torch.int64, device=device)
         max_score = torch.full((H,), -math.inf, device=device)
 
@@ -193,8 +199,10 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
             s = _scores(r, qi, kj, scale, vis, i0, j0)
             # -- row statistics of this tile --
             tile_max = r.site("row_max", s.amax(-1, keepdim=True))
-            if stats is not None:
-                repeated[:, :, i0:i0 + bm] |= _near_max_count(r, s, tile_max, stats.eps) > 1
+            if counting:
+                repeats = _near_max_count(r, s, tile_max, eps) > 1
+                repeated[:, :, i0:i0 + bm] |= repeats
+                positive[:, :, i0:i0 + bm] |= repeats & (tile_max > 0)
                 finite = torch.where(torch.isfinite(s), s, -math.inf)
                 max_score = torch.maximum(max_score, finite.float().amax(dim=(0, 2, 3)))
             if isinstance(stabilize, SFA):
@@ -210,12 +218,15 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
                 pbar = pbar.clamp(max=ClampPbar.ceiling(pbar_fmt))
             t = j0 // (policy.block_n or Tk)  # the key tile's ordinal: stochastic rounding's counter
             pbar_op = r.site("pbar_operand", pbar, (i0, j0, 0))
-            if stats is not None:
-                ones += (pbar_op == 1).sum(dim=(0, 2, 3))
+            if counting:
+                tile_ones = (pbar_op == 1).sum(-1, keepdim=True)
+                ones += tile_ones.sum(dim=(0, 2, 3))
+                tail = r.up(pbar_op).float().sum(-1, keepdim=True) - tile_ones
+                biasable[:, :, i0:i0 + bm] |= biasable_tile(tile_ones, tail, limit)
             tile_sum = r.site("tile_sum", r.up(pbar).sum(-1, keepdim=True), (i0, 0, t))
             if policy.tile_sum_clamp is not None:
                 tile_sum = tile_sum.clamp(min=policy.tile_sum_clamp)
-            pv = r.mm(pbar_op, vj, "pv", (i0, 0, t))
+            pv = r.mm(pbar_op, r.site("v_operand", vj), "pv", (i0, 0, t))
             # -- rescale the running sum and accumulator --
             rescale = r.site("rescale", torch.exp(r.up(r.ew(torch.sub, m, m_shift))))
             l = r.site("row_sum", r.ew(torch.add, r.ew(torch.mul, rescale, l), tile_sum), (i0, 0, t))
@@ -234,9 +245,11 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
         log_l = r.site("lse", torch.log(r.up(l)))
         lse[:, :, i0:i0 + bm] = r.site("lse", r.ew(torch.add, log_l, m)).masked_fill(empty, -math.inf)
 
+    if row_flags is not None:
+        row_flags.update(repeated=repeated[..., 0], positive=positive[..., 0], biasable=biasable[..., 0])
     if stats is not None:
-        stats.add(heads, rows=B * T,
-                  repeated_max_rows=repeated.sum(dim=(0, 2, 3)), pbar_ones=ones, max_score=max_score)
+        stats.add(heads, rows=B * T, repeated_max_rows=repeated.sum(dim=(0, 2, 3)), pbar_ones=ones, max_score=max_score,
+                  repeated_max_rows_positive=positive.sum(dim=(0, 2, 3)), biasable_rows=biasable.sum(dim=(0, 2, 3)))
     return out, (out if o_saved is None else o_saved), lse
 
 
@@ -365,10 +378,12 @@ def reference_attention(q, k, v, *, scale: float, causal: bool, policy: Precisio
 
 @_policy_rounds_alone
 def forward_and_delta(q, k, v, dout, *, scale: float | None = None, causal: bool = True,
-                      policy: Precision, stabilize=None, stats: AttentionStats | None = None):
-    """(O, δ) as the policy's forward and backward compute them; δ has shape (B, H, T)."""
+                      policy: Precision, stabilize=None, stats: AttentionStats | None = None,
+                      row_flags: dict | None = None):
+    """(O, δ) as the policy's forward and backward compute them; δ has shape (B, H, T). `row_flags`: `forward`'s."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy, stabilize=stabilize, stats=stats)
+    out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy, stabilize=stabilize, stats=stats,
+                                row_flags=row_flags)
     r = _Rounder(policy, q.dtype)
     delta = _delta(r, q, k, v, o_saved, lse, dout.to(out.dtype), scale, _visibility(causal, q, k))
     return out, delta.squeeze(-1)

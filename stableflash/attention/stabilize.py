@@ -41,7 +41,7 @@ class SFA:
     (`STABLE=1`): unbounded, the near-maximum test written `S >= rm - eps` (with
     rm - eps rounded like any elementwise op on m), and applied to tiles with no
     visible key too, whose repeated "maximum" is the mask value, so that m
-    becomes max(m, 0) there. Reference backend only.
+    becomes max(m, 0) there. In the kernels, by the emulation kernels (bit for bit as the reference).
     """
 
     beta: float = 2.0
@@ -113,9 +113,10 @@ class ClampPbar:
 Stabilizer = SFA | ClampPbar
 
 
-STABILIZERS = ("none", "sfa", "sfa-bounded", "sfa-unbounded", "clamp")
-"""The names a config gives a stabilizer: `sfa` is the paper's code's rule (`SFA.official()`, reference backend),
-`sfa-bounded` ours (in the kernels too), `sfa-unbounded` the rule as written, `clamp` the ClampPbar control."""
+STABILIZERS = ("none", "sfa", "sfa-official", "sfa-unbounded", "clamp")
+"""The names a config gives a stabilizer, as the API names them: `sfa` is `SFA()` (the bounded rule), `sfa-official`
+`SFA.official()` (the paper's code's rule), `sfa-unbounded` `SFA(bounded=False)` (the rule as written), `clamp`
+`ClampPbar()`."""
 
 
 def from_config(cfg) -> SFA | ClampPbar | None:
@@ -124,8 +125,8 @@ def from_config(cfg) -> SFA | ClampPbar | None:
         raise ValueError(f"attention.stabilize: expected one of {'|'.join(STABILIZERS)}, got {cfg.stabilize!r}")
     return {
         "none": lambda: None,
-        "sfa": lambda: SFA.official(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
-        "sfa-bounded": lambda: SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
+        "sfa": lambda: SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
+        "sfa-official": lambda: SFA.official(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
         "sfa-unbounded": lambda: SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps, bounded=False),
         "clamp": lambda: ClampPbar(eps=cfg.sfa_eps),
     }[cfg.stabilize]()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -89,6 +90,60 @@ def _bias(args) -> int:
     return 0
 
 
+def _errors(args) -> int:
+    from stableflash.diagnose.errors import error_trace
+
+    cfg = _config(args)
+    low, stabilize = _low(args, cfg)
+    path = args.out / "errors.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(trace):  # after every step: a call stopped early keeps what it measured
+        path.write_text(json.dumps(trace.to_dict()))
+
+    trace = error_trace(cfg, args.checkpoint, args.steps, layer=args.layer, low=low, high=args.high,
+                        stabilize=stabilize, estimate_steps=args.estimate_steps, replay=args.replay, on_step=save)
+    final = trace.cumulative_delta_error[-1]
+    print(f"layer {args.layer}, {len(trace.steps)} steps, every micro-batch: cumulative δ error per head "
+          + " ".join(f"{v:+.3e}" for v in final))
+    tied = [sum(col) for col in zip(*trace.delta_error["tied"])]
+    ell = [sum(col) for col in zip(*trace.delta_error_from_ell)]
+    print("  of it on tied rows " + " ".join(f"{v:+.3e}" for v in tied) + "; from ℓ's rounding "
+          + " ".join(f"{v:+.3e}" for v in ell))
+    if trace.wq_drift_along_r:
+        print(f"W_Q drift along R over {len(trace.wq_drift_along_r)} held-out steps per head "
+              + " ".join(f"{v:+.3e}" for v in trace.wq_drift_along_r[-1]))
+    print(f"wrote {path}")
+    return 0
+
+
+def _condition(args) -> int:
+    from stableflash.diagnose.condition import PASS_RULE, captured_rows, condition_check, tied_rows, verdict
+
+    arms = args.arms.split(",")
+    check = condition_check(tied_rows(heads=args.heads, seed=args.seed), arms, causal=False,
+                            source="synthetic tied rows (condition.tied_rows)", seed=args.seed)
+    print(check.to_markdown())
+    check.save(args.out / "condition-synthetic.json")
+    outcome = verdict(check)
+    print(f"\nmanipulation check: {'PASSED' if outcome['passed'] else 'FAILED'}")
+    for reason in outcome["reasons"]:
+        print(f"- {reason}")
+    if args.checkpoint:
+        if not args.config:
+            raise ValueError("--config: needed with --checkpoint (the run's config)")
+        cfg = _config(args)
+        layers = None if args.layer is None else [args.layer]
+        captured = condition_check(captured_rows(cfg, args.checkpoint, batches=args.batches, layers=layers), arms,
+                                   causal=True, source=f"the rows of {args.checkpoint}"
+                                   + ("" if args.layer is None else f", layer {args.layer}"), seed=args.seed,
+                                   by_head=args.layer is not None)
+        print("\n" + captured.to_markdown())
+        captured.save(args.out / "condition-checkpoint.json")
+    (args.out / "verdict.json").write_text(json.dumps({**outcome, "rule": PASS_RULE}, indent=1))
+    return 0 if outcome["passed"] else 1
+
+
 def _pv_trace(args) -> int:
     from stableflash.diagnose.mechanism import tied_maxima_inputs
     from stableflash.diagnose.pv_trace import pv_trace_from_attention
@@ -170,6 +225,12 @@ def add_commands(sub) -> None:
     common(q)
     q.add_argument("--steps", type=int, default=0)
     q.set_defaults(func=_delta)
+    q = which.add_parser("errors", help="over replayed steps, every micro-batch: O and δ errors on tied and untied "
+                         "rows, ℓ's share, the cumulative δ error, W_Q's drift along R estimated on held-out steps")
+    common(q)
+    q.add_argument("--steps", type=int, default=100)
+    q.add_argument("--estimate-steps", type=int, default=None, help="steps that estimate R (default: half)")
+    q.set_defaults(func=_errors)
     q = which.add_parser("decompose", help="W_Q gradient error as rank-1 terms, their similarity and alignment")
     common(q)
     q.add_argument("--head", type=int, default=0)
@@ -196,6 +257,18 @@ def add_commands(sub) -> None:
             q.add_argument("--row", type=int, default=0)
             q.add_argument("--feature", type=int, default=0)
         q.set_defaults(func=func)
+    q = which.add_parser("condition", help="the seed's condition: each arm's O bias against its noise on biasable "
+                         "rows (synthetic, and a checkpoint's); exit 1 when the manipulation check fails")
+    common(q, checkpoint=False)
+    q.add_argument("--arms", default="B7,B6,B5,B4,B3,C4,C3,D4,D3", help="arms (docs/bias-vs-noise.md)")
+    q.add_argument("--heads", type=int, default=8, help="heads of each synthetic batch")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--config", default=None)
+    q.add_argument("--checkpoint", default=None, help="run folder or checkpoint.pt: its layers' rows too")
+    q.add_argument("--set", dest="overrides", action="append", default=[])
+    q.add_argument("--layer", type=int, default=None, help="one layer, split by head (default: every layer)")
+    q.add_argument("--batches", type=int, default=1, help="steps whose first micro-batch to capture")
+    q.set_defaults(func=_condition)
     q = which.add_parser("spectral", help="W_Q/K/V/O spectral norms per head from a run's monitor log")
     q.add_argument("run", type=Path)
     common(q, checkpoint=False)

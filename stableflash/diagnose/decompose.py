@@ -42,6 +42,14 @@ def wq_gradient(x, w_q, k, v, dout, delta, *, scale: float, causal: bool = True,
     return torch.einsum("btd,btc->dc", dq, x)
 
 
+def wq_error_matrix(x, w_q, k, delta_error, *, scale: float, causal: bool = True) -> torch.Tensor:
+    """The (D, C) float64 W_Q gradient error dW_Q(hp) - dW_Q(lp) that a δ error δ_lp - δ_hp (B, T) predicts for one
+    head: α Σ_T (δ_lp - δ_hp)[T] · (PK)[T]ᵀ X[T] (x (B, T, C), w_q (D, C), k (B, T, D))."""
+    p = _attention_probs(x.double() @ w_q.double().T, k.double(), scale, causal)
+    pk = (p @ k.double()).reshape(-1, k.shape[-1])  # (B*T, D): a_T
+    return torch.einsum("n,nd,nc->dc", scale * delta_error.double().reshape(-1), pk, x.double().reshape(-1, x.shape[-1]))
+
+
 @dataclass
 class WqErrorDecomposition(Record):
     measured_norm: float
@@ -97,7 +105,7 @@ def decompose_wq_error(x, w_q, k, v, dout, delta_hp, delta_lp, *, scale: float, 
     xs = x64.reshape(-1, x.shape[-1])  # (B*T, C): b_T
     err = (delta_lp.double() - delta_hp.double()).reshape(-1)  # Δδ_T
     weights = scale * err
-    predicted = torch.einsum("n,nd,nc->dc", weights, pk, xs)
+    predicted = wq_error_matrix(x, w_q, k, delta_lp.double() - delta_hp.double(), scale=scale, causal=causal)
     residual = ((measured - predicted).norm() / measured.norm().clamp_min(1e-300)).item()
     signs = torch.sign(weights)
     live = signs != 0

@@ -135,8 +135,8 @@ def run_arm(setup: MicroSetup, name: str) -> dict:
         opt.step()
     return {"w_q_first": problem["w_q"], "w_q_last": w_q.detach(), "norms": norms, "losses": losses,
             "errors": torch.stack(errors), "delta_errors": delta_errors,
-            "pbar_ones": int(stats.counts[0, 1]), "repeated_rows": int(stats.counts[0, 0]),
-            "rows": int(stats.counts[0, 2])}
+            "pbar_ones": int(stats.pbar_ones[0]), "repeated_rows": int(stats.repeated_max_rows[0]),
+            "rows": int(stats.rows[0])}
 
 
 def summarize(runs: dict[str, dict], reference_arm: str = "paper") -> tuple[dict, tuple[torch.Tensor, torch.Tensor]]:

@@ -83,8 +83,8 @@ class AttentionConfig:
     precision: str = "fa2"
     """A preset name (fa2, bf16, paper, fp32, fp64)."""
     stabilize: str = "none"
-    """none | sfa (the paper's code's rule, `SFA.official()`; reference backend) | sfa-bounded (ours, in the kernels)
-    | sfa-unbounded (the rule as written, per tile, masked tiles skipped) | clamp."""
+    """none | sfa (`SFA()`, the bounded rule) | sfa-official (`SFA.official()`, the paper's code's rule) |
+    sfa-unbounded (`SFA(bounded=False)`, the rule as written) | clamp (`ClampPbar()`)."""
     sfa_beta: float = 2.0
     sfa_eps: float = 1e-3
     tiling: bool = True

@@ -404,7 +404,7 @@ class Trainer:
         base = dataclasses.replace(self.cfg.attention.for_layer(layer),
                                    backend="reference" if current.backend in ("sdpa", "math") else current.backend)
         if action in ("sfa", "rollback"):
-            switched = dataclasses.replace(base, stabilize="sfa-bounded")  # runs in the kernels
+            switched = dataclasses.replace(base, stabilize="sfa")
         else:
             # fp32 attention as such: the rounding knobs of the replaced policy mean nothing at fp32
             switched = AttentionConfig(backend=base.backend, precision="fp32", tiling=base.tiling, delta=base.delta)

@@ -140,7 +140,7 @@ def test_statistics_count_only_visible_keys():
         stats = AttentionStats(num_heads=1)
         flash_attention(q, k, v, causal=False, scale=1.0, precision="fp64", backend="reference", stats=stats,
                         key_padding_mask=keep)
-        counts[name] = int(stats.counts[0, 0])
+        counts[name] = int(stats.repeated_max_rows[0])
     assert counts == {"all": 4, "padded": 0}
 
 

@@ -140,7 +140,8 @@ def test_fa2_forward_error_is_bf16_output_rounding():
 
 # The official code as it trained (compiled), site by site: research/official_trace.py measured these against it
 PAPER_COMPILED = {
-    "qk": "bf16", "scores": "fp32", "row_max": "fp32", "pbar": "fp32", "pbar_operand": "bf16", "tile_sum": "fp32",
+    "qk": "bf16", "scores": "fp32", "row_max": "fp32", "pbar": "fp32", "pbar_operand": "bf16", "v_operand": "input",
+    "tile_sum": "fp32",
     "pv": "bf16", "rescale": "fp32", "row_sum": "fp32", "acc_scaled": "fp32", "acc": "fp32", "out": "bf16",
     "row_sum_saved": "bf16", "lse": "fp32", "p": "fp32", "p_operand": "bf16", "dp": "bf16", "delta_terms": "fp32",
     "delta": "fp32", "ds": "fp32", "ds_operand": "bf16", "dv_part": "bf16", "dv": "fp32", "dk_part": "bf16",

@@ -113,28 +113,27 @@ def test_stats_accumulate_over_calls_on_head_slices_and_index_heads():
     assert stats.rows.dtype == stats.pbar_ones.dtype == torch.int64
 
 
-def test_kernel_targets_are_the_totals_for_every_head_views_for_a_run_none_for_an_index():
-    """What a kernel adds to in place: the totals themselves for every head, views of a run of heads (head h's
-    counts at offset 3h), and nothing for an index tensor (whose counts are added after the call)."""
+def test_kernel_counts_add_by_column_and_named_counters_default_to_zero():
+    """A kernel's (heads, 5) counters land column by column (`STAT_COLUMNS`); `add` without the sign split or the
+    biasable rows adds zeros there."""
     stats = AttentionStats(4)
-    counts, smax = stats.kernel_targets(slice(None), torch.device("cpu"))
-    assert counts is stats.counts and smax is stats.max_score
-    counts, smax = stats.kernel_targets(slice(1, 3), torch.device("cpu"))
-    counts += torch.tensor([[1, 2, 3], [4, 5, 6]])
-    smax.clamp_min_(5.0)
-    assert stats.counts.tolist() == [[0, 0, 0], [1, 2, 3], [4, 5, 6], [0, 0, 0]]
-    assert stats.max_score.tolist() == [-torch.inf, 5.0, 5.0, -torch.inf]
-    assert stats.kernel_targets(torch.tensor([0, 2]), torch.device("cpu")) is None
-    assert stats.kernel_targets(slice(0, 4, 2), torch.device("cpu")) is None
+    stats.add_counts(slice(1, 3), torch.tensor([[1, 1, 2, 3, 0], [4, 2, 5, 6, 1]]), torch.tensor([5.0, 6.0]))
+    assert stats.to_dict() == {"repeated_max_rows": [0, 1, 4, 0], "repeated_max_rows_positive": [0, 1, 2, 0],
+                               "pbar_ones": [0, 2, 5, 0], "rows": [0, 3, 6, 0], "biasable_rows": [0, 0, 1, 0],
+                               "max_score": [-float("inf"), 5.0, 6.0, -float("inf")]}
+    stats.add(torch.tensor([3]), rows=2, repeated_max_rows=1, pbar_ones=0, max_score=torch.tensor([1.0]))
+    assert stats.counts[3].tolist() == [1, 0, 0, 2, 0] and stats.max_score[3].item() == 1.0
 
 
-def test_official_sfa_is_the_unbounded_rule_and_reference_only():
+def test_official_sfa_is_the_unbounded_rule_and_emulated_in_the_kernels():
     rule = SFA.official()
     assert (rule.beta, rule.eps, rule.bounded, rule.official_rule) == (2.0, 1e-3, False, True)
     with pytest.raises(ValueError, match="SFA.official_rule"):
         SFA(official_rule=True)
-    from stableflash.attention.triton.spec import unsupported_reason
-    assert "reference-only" in unsupported_reason(PRESETS["paper"], rule, torch.bfloat16)
+    from stableflash.attention.triton.spec import build_spec, unsupported_reason
+    for preset in ("paper", "fa2"):  # the emulation kernels run it, under fa2's numerics too
+        assert unsupported_reason(PRESETS[preset], rule, torch.bfloat16) is None
+        assert not build_spec(PRESETS[preset], rule, torch.bfloat16, 128).native
     # a tied maximum of 200: the official rule shifts every P̄ into underflow, and the official row-sum clamp
     # (1e-10, in `paper`) turns 0/0 into O = 0: the row's output is lost
     q, k, v = _rows_as_inputs([200.0, 200.0, 3.0, -5.0], torch.float32)

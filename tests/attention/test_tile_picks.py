@@ -1,5 +1,5 @@
-"""The autotuner's picks: kept, keyed like the autotuner's own cache, and launched instead of autotuning (eagerly
-and under torch.compile), so that a resumed `fa2` run launches the tiles the interrupted one did.
+"""The autotuner's picks: kept, keyed like the autotuner's own cache, and launched instead of autotuning, so that a
+resumed `fa2` run launches the tiles the interrupted one did.
 
 The launches are recorded, not run (no GPU needed); tests/train/test_loop.py runs the whole round trip on a GPU."""
 
@@ -29,14 +29,14 @@ def empty_picks():
 
 
 def recorded_launches(monkeypatch, head_dim=64, T=100):
-    """The forward's and backward's tuned launches for fa2 numerics, as dicts of `_run_tuned`'s arguments."""
+    """The forward's and backward's tuned launches for fa2 numerics, as dicts of `_launch_tuned`'s arguments."""
     launches = []
 
     def record(tunable, grid, args, meta, **kw):
         launches.append(dict(tunable=tunable, grid=grid, args=args, meta=meta, **kw))
 
     with monkeypatch.context() as patch:
-        patch.setattr(launch, "_run_tuned", record)
+        patch.setattr(launch, "_launch_tuned", record)
         name = spec_name(resolve("fa2"), None, torch.bfloat16, head_dim, T)
         q, k, v, dout = (torch.randn(2, 3, T, head_dim, dtype=torch.bfloat16) for _ in range(4))
         out, _, lse, _, _ = launch.forward(q, k, v, True, 0.25, name, False, 1e-3)
@@ -46,7 +46,8 @@ def recorded_launches(monkeypatch, head_dim=64, T=100):
 
 def _key(launched, **changes):
     r = {**launched, **changes}
-    return launch.pick_key(r["tunable"], r["T"], r["dtype"], r["meta"], r["either"])
+    return TILE_PICKS.key(r["tunable"].kernel.__name__, "either" if r["either"] else "pointers", r["T"], r["dtype"],
+                          r["meta"])
 
 
 def test_picks_survive_a_round_trip_through_json():
@@ -66,40 +67,43 @@ def test_a_pick_is_keyed_like_the_autotuners_cache(monkeypatch):
     assert key[:4] == ("attn_fwd", "pointers", 100, "torch.bfloat16")
     assert _key(fwd, meta={**fwd["meta"], "CAUSAL": False}) != key  # another specialisation
     assert _key(recorded_launches(monkeypatch, T=101)[0]) != key
-    assert _key(fwd, T=object()) is None  # a symbolic T (traced): no pick, inductor autotunes
     # at D = 128 the candidates include TMA loads: another candidate list, another pick
     wide = recorded_launches(monkeypatch, head_dim=128)[0]
     assert wide["either"] and _key(wide)[1] == "either"
 
 
-def test_a_traced_launch_takes_the_pick_as_a_fixed_tile(monkeypatch):
-    """Under torch.compile a picked launch goes to inductor as the plain kernel with the pick's tile, which inductor
-    does not autotune again; without a pick, as the autotuner (inductor autotunes it)."""
-    traced = []
+def test_a_picked_launch_takes_its_tile_and_an_unpicked_one_autotunes_and_records(monkeypatch):
+    """With a pick, the plain kernel launches with the pick's tile; without one, the autotuner launches, and its best
+    config becomes the pick."""
+    launched = []
 
     class Recorder:
-        def __init__(self, fn):
-            self.fn = fn
+        def __init__(self, fn, best=None):
+            self.fn, self.best_config = fn, best
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: traced.append((self.fn, kwargs))
+            return lambda *args, **kwargs: launched.append((self.fn, kwargs))
 
     launches = recorded_launches(monkeypatch)
-    monkeypatch.setattr(launch, "wrap_triton", Recorder)
+    best = tuning.config(64, 64, 4, 3, TMA=False)
     for r in launches:
-        launch._run_tuned(r["tunable"], r["grid"], r["args"], r["meta"], T=r["T"], dtype=r["dtype"],
-                          either=r["either"], traced=True)
-    assert [fn for fn, _ in traced] == [r["tunable"].pointers for r in launches]
+        tunable = r["tunable"]._replace(kernel=Recorder(r["tunable"].kernel),
+                                        pointers=Recorder(r["tunable"].pointers, best))
+        tunable.kernel.__name__ = r["tunable"].kernel.__name__
+        launch._launch_tuned(tunable, r["grid"], r["args"], r["meta"], T=r["T"], dtype=r["dtype"], either=False)
+    assert [fn for fn, _ in launched] == [r["tunable"].pointers for r in launches]
+    assert [TILE_PICKS.get(_key(r)) for r in launches] == [best] * 3
 
-    traced.clear()
+    launched.clear()
     picks = [tuning.config(64, 64, 4, 3, TMA=False), tuning.config(128, 32, 4, 5, TMA=False),
              tuning.config(32, 128, 4, 5, TMA=False)]
     for r, pick in zip(launches, picks):
         TILE_PICKS.record(_key(r), pick)
-        launch._run_tuned(r["tunable"], r["grid"], r["args"], r["meta"], T=r["T"], dtype=r["dtype"],
-                          either=r["either"], traced=True)
-    assert [fn for fn, _ in traced] == [r["tunable"].kernel for r in launches]
-    for (_, kwargs), pick in zip(traced, picks):
+        tunable = r["tunable"]._replace(kernel=Recorder(r["tunable"].kernel))
+        tunable.kernel.__name__ = r["tunable"].kernel.__name__
+        launch._launch_tuned(tunable, r["grid"], r["args"], r["meta"], T=r["T"], dtype=r["dtype"], either=False)
+    assert [fn for fn, _ in launched] == [r["tunable"].kernel for r in launches]
+    for (_, kwargs), pick in zip(launched, picks):
         assert {k: kwargs[k] for k in pick.kwargs} == pick.kwargs
         assert (kwargs["num_warps"], kwargs["num_stages"]) == (pick.num_warps, pick.num_stages)
 

@@ -166,7 +166,7 @@ def test_cli_diagnose_delta_takes_the_runs_own_attention_with_low_config(base_ru
     under `paper`: another policy's name in the trace, other errors."""
     run, overrides = base_run
     traces = {}
-    for low, extra in (("paper", []), ("config", ["attention.sites.pv=e8m3", "attention.stabilize=sfa-bounded"])):
+    for low, extra in (("paper", []), ("config", ["attention.sites.pv=e8m3", "attention.stabilize=sfa"])):
         sets = [a for o in [*overrides, "run.max_steps=12", *extra] for a in ("--set", o)]
         assert main(["diagnose", "delta", "--config", "tiny-cpu", "--checkpoint", str(run), "--steps", "1",
                      "--low", low, "--out", str(tmp_path / low), *sets]) == 0

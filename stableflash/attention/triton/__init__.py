@@ -5,8 +5,7 @@ Layout:
 - `native.py`: production FA2 numerics, the fast path; `hopper.py`: its forward in Gluon on sm_90;
 - `emulation.py`: every rounding site of any supported policy, bit-equal to the reference;
 - `common.py`: helpers both share; `tuning.py`: autotuning and the tile picks; `options.py`: the user's switches;
-- `launch.py`: allocation and launches; `compiled.py`: eager launches of compiled kernels (the one seam below
-  Triton's launch); `ops.py`: the autograd Function and the `torch.library` ops.
+- `launch.py`: allocation and launches (`kernel[grid](...)`); `ops.py`: the two `torch.library` ops.
 
 Public here: `attention`, `supports`, `supports_policy`, `supports_masks`, `pick_tiles`, the tile picks'
 `tile_picks_state_dict` / `load_tile_picks` (what a checkpoint keeps), and `KernelOptions` / `kernel_options` /
@@ -71,7 +70,6 @@ def pick_tiles(shape: tuple[int, int, int, int], *, precision="fa2", stabilize=N
     ((B, T, H, D) in memory). Every later launch takes these picks, a torch.compile'd one as a fixed tile. Shapes
     and policies the kernels do not run are left alone. The global RNG is left untouched. Returns how many picks
     are held."""
-    from stableflash.attention.api import flash_attention
     from stableflash.attention.triton.tuning import TILE_PICKS
 
     B, H, T, D = shape
@@ -82,8 +80,8 @@ def pick_tiles(shape: tuple[int, int, int, int], *, precision="fa2", stabilize=N
                .requires_grad_() for _ in range(3))
     eps = stabilize.eps if isinstance(stabilize, stab_module.SFA) else AttentionStats(H).eps
     for stats in (None, AttentionStats(H, eps=eps)):
-        out = flash_attention(q, k, v, causal=True, precision=precision, stabilize=stabilize, backend="triton",
-                              stats=stats)
+        out = attention(q, k, v, causal=True, scale=D**-0.5, policy=resolve(precision), stabilize=stabilize,
+                        stats=stats)
         out.float().sum().backward()
     return len(TILE_PICKS)
 
@@ -114,25 +112,15 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
 
 
 def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band):
-    from stableflash.attention.triton import launch, ops
+    from stableflash.attention.triton import ops
 
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
     _, H, T, D = q.shape
     name = spec_name(policy, stabilize, q.dtype, D, max(T, k.shape[-2]))  # an untiled policy: one tile of each
-    args = (q, k, v, causal, float(scale), name, stats is not None, float(stats.eps) if stats is not None else 0.0)
-    if torch.compiler.is_compiling():  # functional ops: the counts come back, added to `stats` below
-        out, _, _, counts, smax = ops.compiled_forward_op()(*args, *ops.band_fields(band))
-    elif stats is None:
-        return ops.FlashAttention.apply(*args, None, band)
-    else:
-        # the kernel adds to the running totals in place where the heads are a run of them, else to fresh zeros
-        targets = stats.kernel_targets(heads, q.device)
-        if targets is not None:
-            return ops.FlashAttention.apply(*args, targets, band)
-        counts, smax = launch.fresh_stat_targets(H, q.device)
-        out = ops.FlashAttention.apply(*args, (counts, smax), band)
+    out, _, _, counts, smax = ops.flash_fwd(q, k, v, causal, float(scale), name, stats is not None,
+                                            float(stats.eps) if stats is not None else 0.0, *ops.band_fields(band))
     if stats is not None:
-        stats.add(heads, rows=counts[:, 2], repeated_max_rows=counts[:, 0], pbar_ones=counts[:, 1], max_score=smax)
+        stats.add_counts(heads, counts, smax)
     return out

@@ -249,21 +249,39 @@ def top2(a1, a2, b1, b2):
 
 
 @triton.jit
-def stats_combine(a_repeated, a_ones, a_max, b_repeated, b_ones, b_max):
-    """The statistics' per-program reduction: two counts and a maximum in one pass."""
-    return a_repeated + b_repeated, a_ones + b_ones, tl.maximum(a_max, b_max)
+def row_flags(repeated, positive):
+    """A row's statistics flags for one tile (OR them over the tiles; `add_stats` counts them): bit 0 its maximum
+    repeats, bit 1 a positive maximum repeats; bit 2 (`BIASABLE`) it is biasable (`stats.AttentionStats`)."""
+    return repeated.to(tl.int32) | ((repeated & positive).to(tl.int32) << 1)
+
+
+BIASABLE = tl.constexpr(4)
 
 
 @triton.jit
-def add_stats(STAT_COUNTS, STAT_MAX, h, repeated, ones, smax, row_ok, rows_seen, UNITS: tl.constexpr):
-    """Add one program's statistics to its head's totals: rows with a repeated maximum, P̄ = 1 entries, rows seen
-    (STAT_COUNTS, (H, 3) int64) and the largest score (STAT_MAX, (H,); divided by UNITS, the scores' units per
-    natural unit: log2(e) natively, 1 under emulation)."""
-    # one reduction over the rows for all three (cross-warp: one round of shared memory and barriers, not three)
-    n_repeated, n_ones, row_max = tl.reduce((tl.where(row_ok, repeated, 0), tl.where(row_ok, ones, 0),
-                                             tl.where(row_ok, smax, float("-inf"))), 0, stats_combine)
+def stats_combine(a_repeated, a_positive, a_biasable, a_ones, a_max, b_repeated, b_positive, b_biasable, b_ones,
+                  b_max):
+    """The statistics' per-program reduction: four counts and a maximum in one pass."""
+    return (a_repeated + b_repeated, a_positive + b_positive, a_biasable + b_biasable, a_ones + b_ones,
+            tl.maximum(a_max, b_max))
+
+
+@triton.jit
+def add_stats(STAT_COUNTS, STAT_MAX, h, flags, ones, smax, row_ok, rows_seen, UNITS: tl.constexpr):
+    """Add one program's statistics to its head's totals (STAT_COUNTS, (H, 5) int64 in `stats.STAT_COLUMNS`' order:
+    rows with a repeated maximum, with a positive one, P̄ = 1 entries, rows seen, biasable rows; the rows' `row_flags`
+    ORed over their tiles) and the largest score (STAT_MAX, (H,); divided by UNITS, the scores' units per natural
+    unit: log2(e) natively, 1 under emulation)."""
+    # one reduction over the rows for all (cross-warp: one round of shared memory and barriers, not five)
+    flags = tl.where(row_ok, flags, 0)
+    n_repeated, n_positive, n_biasable, n_ones, row_max = tl.reduce(
+        (flags & 1, (flags >> 1) & 1, (flags >> 2) & 1, tl.where(row_ok, ones, 0),
+         tl.where(row_ok, smax, float("-inf"))), 0, stats_combine)
     # relaxed: the counters need atomicity, not ordering (the default acq_rel fences every program's end)
-    tl.atomic_add(STAT_COUNTS + h * 3, n_repeated.to(tl.int64), sem="relaxed")
-    tl.atomic_add(STAT_COUNTS + h * 3 + 1, n_ones.to(tl.int64), sem="relaxed")
-    tl.atomic_add(STAT_COUNTS + h * 3 + 2, rows_seen.to(tl.int64), sem="relaxed")
+    counts = STAT_COUNTS + h * 5
+    tl.atomic_add(counts, n_repeated.to(tl.int64), sem="relaxed")
+    tl.atomic_add(counts + 1, n_positive.to(tl.int64), sem="relaxed")
+    tl.atomic_add(counts + 2, n_ones.to(tl.int64), sem="relaxed")
+    tl.atomic_add(counts + 3, rows_seen.to(tl.int64), sem="relaxed")
+    tl.atomic_add(counts + 4, n_biasable.to(tl.int64), sem="relaxed")
     tl.atomic_max(STAT_MAX + h, row_max / UNITS, sem="relaxed")

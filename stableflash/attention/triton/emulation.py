@@ -23,6 +23,7 @@ from triton.language.extra import libdevice
 from stableflash.attention.precision import SITE_INDEX
 from stableflash.attention.triton.common import (
     _INTERPRET,
+    BIASABLE,
     add_stats,
     band_visible,
     band_visible_t,
@@ -36,6 +37,7 @@ from stableflash.attention.triton.common import (
     load_rows,
     mul_rn,
     query_tile_program,
+    row_flags,
     sfa_max,
     shift,
     store_rows,
@@ -222,11 +224,16 @@ def attn_fwd(
     R_PBAR: tl.constexpr, R_PBAR_OP: tl.constexpr, R_TILE_SUM: tl.constexpr, R_PV: tl.constexpr,
     R_RESCALE: tl.constexpr, R_L1: tl.constexpr, R_L2: tl.constexpr, R_ROW_SUM: tl.constexpr,
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_L_SAVED: tl.constexpr, R_DIV: tl.constexpr,
-    R_OUT: tl.constexpr, R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, MASK: tl.constexpr = False,
-    PAD: tl.constexpr = False,
+    R_OUT: tl.constexpr, R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, R_V_OP: tl.constexpr, R_THRESHOLD: tl.constexpr,
+    OFFICIAL: tl.constexpr, TAIL_LIMIT: tl.constexpr, MASK: tl.constexpr = False, PAD: tl.constexpr = False,
 ):
     """O (and, with SAVE_OS, the fp32 O the backward reads for δ into OS) and the natural-unit lse of one query tile.
-    `seed`: the call's stochastic rounding seed (unused without it); LM: the logical query tile (read under MASK)."""
+    `seed`: the call's stochastic rounding seed (unused without it); LM: the logical query tile (read under MASK).
+
+    With OFFICIAL, SFA is the paper's code's rule (`SFA.official()`): its near-maximum test S >= rm - eps (rm - eps
+    rounded as an operation on m: R_THRESHOLD), on every logical key tile, those that no row of the tile sees
+    included (there every score is the mask's -inf, a "repeated maximum" below 0, so m becomes max(m, 0)). With
+    STATS, TAIL_LIMIT is `stats.tail_limit` of P̄V's format (0: no row is biasable)."""
     scale, eps = fp32(scale), fp32(eps)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -237,11 +244,14 @@ def attn_fwd(
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    repeated = tl.zeros((BLOCK_M,), tl.int32)
+    flags = tl.zeros((BLOCK_M,), tl.int32)  # the statistics (`common.row_flags`)
     ones = tl.zeros((BLOCK_M,), tl.int32)
     smax = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
-    if MASK:  # the key tiles the reference visits for the logical query tile these rows are in
+    if OFFICIAL:  # every key tile, as the official rule visits them
+        lo = 0
+        hi = TK
+    elif MASK:  # the key tiles the reference visits for the logical query tile these rows are in
         first = (pid_m * BLOCK_M // LM) * LM
         lo, hi = _band_tiles(first, tl.minimum(first + LM, T) - 1, LT, T, TK, LEFT, RIGHT)
     else:
@@ -260,20 +270,28 @@ def attn_fwd(
         # pass 2 (SFA or statistics): near-maximum counts against the whole tile's maximum
         if STATS or STAB == 1:
             rs = tl.zeros((BLOCK_M,), tl.int32)
+            rs_official = tl.zeros((BLOCK_M,), tl.int32)
+            threshold = _round(rm - eps, R_THRESHOLD)
             for start_n in range(lt, lt_end, BLOCK_N):
                 s = _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N,
                             HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES)
                 rs += _near_max(s, rm, eps)
+                if OFFICIAL:  # real keys only: the reference's tile ends at TK
+                    real = (start_n + tl.arange(0, BLOCK_N)) < TK
+                    rs_official += tl.sum(((s >= threshold[:, None]) & real[None, :]).to(tl.int32), 1)
                 if STATS:
                     smax = tl.maximum(smax, tl.max(tl.where(s < float("inf"), s, float("-inf")), 1))
             if STATS:
-                repeated = tl.maximum(repeated, (rs > 1).to(tl.int32))
+                flags = flags | row_flags(rs > 1, rm > 0)
             if STAB == 1:
-                rm = _round(sfa_max(rm, rs > 1, BETA, LOW, HIGH, BOUNDED, R_ROW_MAX == 1), R_ROW_MAX)
+                rs_sfa = rs_official if OFFICIAL else rs
+                rm = _round(sfa_max(rm, rs_sfa > 1, BETA, LOW, HIGH, BOUNDED, R_ROW_MAX == 1), R_ROW_MAX)
         m_new = _round(tl.maximum(rm, m), R_ROW_MAX)
         m_shift = shift(m_new)
         # pass 3: P̄, its row sum and P̄V over the logical tile
         tile_sum = tl.zeros((BLOCK_M,), tl.float32)
+        tile_ones = tl.zeros((BLOCK_M,), tl.int32)
+        operand_sum = tl.zeros((BLOCK_M,), tl.float32)  # P̄ as P̄V reads it, summed: a biasable row's test
         pv = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         for start_n in range(lt, lt_end, BLOCK_N):
             s = _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N,
@@ -284,13 +302,22 @@ def attn_fwd(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             p_op = _round_at(p, R_PBAR_OP, seed, _PBAR_OP, bh, offs_m[:, None], offs_n[None, :], 0)
             if STATS:
-                ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
+                tile_ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
+                operand_sum += tl.sum(p_op, 1)
             tile_sum += tl.sum(p, 1)
             v = load_rows(V + v_off, offs_n, stride_vt, TK, HEAD_DIM)
+            if R_V_OP != 0:  # V as P̄V reads it, in a format of its own (its values are V's dtype's, or fp32)
+                v = _round(v.to(tl.float32), R_V_OP)
             if OPS_FP32:
                 pv = dot(p_op, v, pv, True)
             else:
-                pv = dot(cast(p_op, V.dtype.element_ty), v, pv, False)
+                pv = dot(cast(p_op, V.dtype.element_ty), v.to(V.dtype.element_ty), pv, False)
+        if STATS:
+            ones += tile_ones
+            tail = operand_sum - tile_ones.to(tl.float32)
+            n = tile_ones.to(tl.float32)
+            biasable = (tile_ones >= 2) & (tail >= n * 5.9604644775390625e-08) & (tail < n * TAIL_LIMIT)  # `stats.TAIL_FLOOR`
+            flags = flags | (biasable.to(tl.int32) * BIASABLE)
         t = lt // LT  # the logical key tile's ordinal: stochastic rounding's counter
         rows, cols = offs_m[:, None], tl.arange(0, HEAD_DIM)[None, :]
         tile_sum = _round_at(tile_sum, R_TILE_SUM, seed, _TILE_SUM, bh, offs_m, 0, t)
@@ -319,7 +346,7 @@ def attn_fwd(
     row_ok = offs_m < T
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
     if STATS:
-        add_stats(STAT_COUNTS, STAT_MAX, bh % H, repeated, ones, smax, row_ok, tl.minimum(T - pid_m * BLOCK_M, BLOCK_M),
+        add_stats(STAT_COUNTS, STAT_MAX, bh % H, flags, ones, smax, row_ok, tl.minimum(T - pid_m * BLOCK_M, BLOCK_M),
                   1.0)
 
 

@@ -70,7 +70,7 @@ def _softmax_step(s, m_i, l_i, repeated, ones, smax, j, rows, mask_from, T, qk_s
         tile_max = rm
         if STATS:
             smax = gl.maximum(smax, gl.where(rm < float("inf"), rm, float("-inf")))
-            repeated = gl.maximum(repeated, near_row.to(gl.int32))
+            repeated = repeated | common.row_flags(near_row, tile_max > 0)  # P̄V in fp32: none biasable
         if STAB == 1:
             rm = common.sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
     else:
@@ -123,7 +123,7 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
     rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
-    repeated = gl.zeros([BLOCK_M], gl.int32, layout=row_layout)  # statistics, per row until the end
+    repeated = gl.zeros([BLOCK_M], gl.int32, layout=row_layout)  # statistics (`common.row_flags`), per row
     ones = gl.zeros([BLOCK_M], gl.int32, layout=row_layout)
     smax = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -183,11 +183,16 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
     gl.store(LSE + bh.to(gl.int64) * T + rows, gl.where(empty, float("-inf"), m_i + gl.log2(l_i)), mask=rows < T)
     if STATS:  # one reduction over the rows (padding rows left out), then relaxed atomics, as in native.py
         row_ok = rows < T
-        n_repeated, n_ones, row_max = gl.reduce((gl.where(row_ok, repeated, 0), gl.where(row_ok, ones, 0),
-                                                 gl.where(row_ok, smax, float("-inf"))), 0, common.stats_combine)
-        gl.atomic_add(STAT_COUNTS + h * 3, n_repeated.to(gl.int64), sem="relaxed")
-        gl.atomic_add(STAT_COUNTS + h * 3 + 1, n_ones.to(gl.int64), sem="relaxed")
-        gl.atomic_add(STAT_COUNTS + h * 3 + 2, gl.maximum(gl.minimum(T - m0, BLOCK_M), 0).to(gl.int64), sem="relaxed")
+        flags = gl.where(row_ok, repeated, 0)
+        n_repeated, n_positive, n_biasable, n_ones, row_max = gl.reduce(
+            (flags & 1, (flags >> 1) & 1, (flags >> 2) & 1, gl.where(row_ok, ones, 0),
+             gl.where(row_ok, smax, float("-inf"))), 0, common.stats_combine)
+        counts = STAT_COUNTS + h * 5  # `stats.STAT_COLUMNS`' order
+        gl.atomic_add(counts, n_repeated.to(gl.int64), sem="relaxed")
+        gl.atomic_add(counts + 1, n_positive.to(gl.int64), sem="relaxed")
+        gl.atomic_add(counts + 2, n_ones.to(gl.int64), sem="relaxed")
+        gl.atomic_add(counts + 3, gl.maximum(gl.minimum(T - m0, BLOCK_M), 0).to(gl.int64), sem="relaxed")
+        gl.atomic_add(counts + 4, n_biasable.to(gl.int64), sem="relaxed")
         gl.atomic_max(STAT_MAX + h, row_max / _LOG2E, sem="relaxed")
 
 

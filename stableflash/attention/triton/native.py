@@ -38,6 +38,7 @@ from stableflash.attention.triton.common import (
     packed_queries,
     query_tags,
     query_tile_program,
+    row_flags,
     sfa_max,
     shift,
     store_rows,
@@ -113,7 +114,7 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
         rm = tl.max(s, 1)
     if STATS:  # per row here; one reduction over the rows at the end (cross-warp, so not in the loop)
         smax = tl.maximum(smax, tl.where(rm < float("inf"), rm, float("-inf")))
-        repeated = tl.maximum(repeated, near_row.to(tl.int32))
+        repeated = repeated | row_flags(near_row, rm > 0)  # P̄V in fp32: no row is biasable
     tile_max = rm
     if STAB == 1:
         rm = sfa_max(rm, near_row, BETA, LOW, HIGH, BOUNDED, False)
@@ -165,7 +166,7 @@ def attn_fwd(
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    repeated = tl.zeros((BLOCK_M,), tl.int32)  # the statistics, per row until the end
+    repeated = tl.zeros((BLOCK_M,), tl.int32)  # the statistics (`common.row_flags`), per row until the end
     ones = tl.zeros((BLOCK_M,), tl.int32)
     smax = tl.full((BLOCK_M,), float("-inf"), tl.float32)
 

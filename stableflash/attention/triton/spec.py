@@ -25,6 +25,7 @@ import torch
 from stableflash.attention import stabilize as stabilizers
 from stableflash.attention.precision import PRESETS, PV_PATH, SITES, Precision, rounds_backward_stochastically
 from stableflash.attention.stabilize import SFA, ClampPbar
+from stableflash.attention.stats import tail_limit
 from stableflash.numerics.formats import get_format
 
 LOG2E = 1.4426950408889634
@@ -54,9 +55,9 @@ def _operand_in_input_dtype(site_format: str, input_format: str) -> bool:
     return site_format == input_format or (input_format == "bf16" and site_format in _BF16_VALUED)
 
 
-_FWD_CODES = ("R_QK", "R_SCORES", "R_ROW_MAX", "R_SUB", "R_PBAR", "R_PBAR_OP", "R_TILE_SUM", "R_PV", "R_RESCALE",
-              "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC", "R_L_SAVED", "R_DIV", "R_OUT", "R_LSE",
-              "R_LSE_ADD")
+_FWD_CODES = ("R_QK", "R_SCORES", "R_ROW_MAX", "R_SUB", "R_PBAR", "R_PBAR_OP", "R_V_OP", "R_TILE_SUM", "R_PV",
+              "R_RESCALE", "R_L1", "R_L2", "R_ROW_SUM", "R_A1", "R_A2", "R_ACC", "R_L_SAVED", "R_DIV", "R_OUT", "R_LSE",
+              "R_LSE_ADD", "R_THRESHOLD")
 _P_CODES = ("R_QK", "R_SCORES", "R_P_SUB", "R_P", "R_DP")
 _DS_CODES = ("R_DS1", "R_DS2", "R_DS", "R_DS_OP")
 
@@ -85,6 +86,10 @@ class KernelSpec:
     high: float
     bounded: bool
     clamp_ceiling: float
+    official: bool
+    """SFA by the paper's code's rule (`SFA.official()`): emulation kernels only."""
+    tail_limit: float
+    """`stats.tail_limit` of P̄V's format: the statistics' test of a biasable row."""
     stochastic: bool
     """Some site rounds stochastically: each forward call draws a seed (`numerics.rounding.draw_seed`)."""
     backward_stochastic: bool
@@ -108,7 +113,7 @@ class KernelSpec:
             return dict(shared, HEADS_FIRST=self.stab == 1)
         codes = dict(self.codes)
         return dict(shared, OPS_FP32=self.ops_fp32, SAVE_OS=self.save_fp32_o, TILE_CLAMP=self.tile_clamp,
-                    **{n: codes[n] for n in _FWD_CODES})
+                    OFFICIAL=self.official, TAIL_LIMIT=self.tail_limit, **{n: codes[n] for n in _FWD_CODES})
 
     @functools.cached_property
     def delta_constants(self) -> dict | None:
@@ -168,7 +173,7 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
             and {"delta_terms", "delta"} & set(policy.rounding_sites)):
         return "stochastic δ runs in the kernels with delta_formula 'do_o' only"
     if dtype == torch.float16:
-        for site in ("pbar_operand", "p_operand", "ds_operand", "out"):
+        for site in ("pbar_operand", "v_operand", "p_operand", "ds_operand", "out"):
             if policy.dtype(site, dtype) not in (dtype, torch.float32):
                 return f"matmul operand site {site} must be the input dtype or fp32"
     elif policy.format("out", dtype).name not in ("fp32", *_BF16_VALUED):
@@ -183,8 +188,6 @@ def unsupported_reason(policy: Precision, stabilize, dtype: torch.dtype) -> str 
         return "SFA with a row_max in another format than fp32 or bf16 is reference-only"
     if isinstance(stabilize, SFA) and _mode(policy, "row_max") != "nearest":
         return "SFA with a row_max rounded other than to nearest is reference-only"
-    if isinstance(stabilize, SFA) and stabilize.official_rule:
-        return "the official SFA rule (SFA.official()) is reference-only"
     promoted = _promote(_CODES[policy.dtype("acc", dtype)], _CODES[policy.dtype("rescale", dtype)])
     if promoted and _site_code(policy, "acc_scaled", dtype) not in (0, _op_code(policy, promoted)):
         return "acc_scaled in another format or mode than acc's and rescale's half format"
@@ -263,6 +266,9 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
     codes = dict(
         R_QK=code["qk"], R_SCORES=code["scores"], R_ROW_MAX=code["row_max"],
         R_SUB=op(store["scores"], store["row_max"]), R_PBAR=code["pbar"], R_PBAR_OP=code["pbar_operand"],
+        # V in its own dtype is exact: no rounding
+        R_V_OP=0 if policy.format("v_operand", dtype) == get_format(dtype) else code["v_operand"],
+        R_THRESHOLD=op(store["row_max"], store["row_max"]),  # the official SFA's rm - eps, an operation on m
         R_TILE_SUM=code["tile_sum"], R_PV=code["pv"], R_RESCALE=code["rescale"],
         R_L1=_op_code(policy, l1), R_L2=op(l1, store["tile_sum"]), R_ROW_SUM=code["row_sum"],
         # O*c rounds to the operands' promoted dtype, then to the `acc_scaled` site (one of the two is fp32)
@@ -278,10 +284,11 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
         R_DV_PART=code["dv_part"], R_DV=code["dv"], R_DK_PART=code["dk_part"], R_DK=code["dk"],
         R_DQ_PART=code["dq_part"], R_DQ=code["dq"],
     )
-    native = is_native(policy, dtype)
+    official = isinstance(stabilize, SFA) and stabilize.official_rule
+    native = is_native(policy, dtype) and not official  # the official rule is emulated, also under fa2's numerics
     input_name = get_format(dtype).name
     ops_fp32 = any(not _operand_in_input_dtype(policy.format(s, dtype).name, input_name)
-                   for s in ("pbar_operand", "p_operand", "ds_operand", "out"))
+                   for s in ("pbar_operand", "v_operand", "p_operand", "ds_operand", "out"))
     whole = math.ceil(seq_len / PHYSICAL_TILE) * PHYSICAL_TILE
     pbar_format = policy.format("pbar_operand", dtype)
     stab, beta, eps, low, high, bounded, ceiling = 0, 2.0, 0.0, 0.0, 0.0, True, 1.0
@@ -297,7 +304,8 @@ def build_spec(policy: Precision, stabilize, dtype: torch.dtype, seq_len: int) -
         delta_dpp=policy.delta_formula == "dp_p",
         logical_m=policy.block_m or whole, logical_n=policy.block_n or whole,
         tile_clamp=float(policy.tile_sum_clamp or 0.0), stab=stab, beta=beta, eps=eps * units,
-        low=low * units, high=high * units, bounded=bounded, clamp_ceiling=ceiling,
+        low=low * units, high=high * units, bounded=bounded, clamp_ceiling=ceiling, official=official,
+        tail_limit=tail_limit(policy.format("pv", dtype).fraction_bits),
         stochastic=policy.rounding == "stochastic",
         backward_stochastic=rounds_backward_stochastically(policy),
     )

@@ -1,0 +1,51 @@
+"""The host side of the kernels (`triton/launch.py`), with the kernels stood in for: no GPU needed."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from stableflash.attention.precision import resolve  # noqa: E402
+from stableflash.attention.triton import launch  # noqa: E402
+from stableflash.attention.triton.spec import spec_name  # noqa: E402
+
+PACKAGE = Path(__file__).resolve().parents[2] / "stableflash"
+# Triton's internals a launcher would need to replay Triton's own launch: none of it may appear in the package
+PRIVATE_TRITON = [r"\.packed_metadata", r"\.arg_names", r"\bkernel\.params\b", r"triton\.knobs", r"runtime\.driver",
+                  r"compiled\.run\(", r"\.fn\.params", r"_hooks_registered"]
+
+
+def test_the_package_uses_no_private_triton_api():
+    found = [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+             for path in PACKAGE.rglob("*.py") for n, line in enumerate(path.read_text().splitlines(), 1)
+             if any(re.search(pattern, line) for pattern in PRIVATE_TRITON)]
+    assert not found, "private Triton API:\n" + "\n".join(found)
+
+
+def test_every_switch_a_native_launch_passes_is_in_its_autotuners_key(monkeypatch):
+    """A masked, padded, packed or grouped launch is tuned for itself: each compile-time switch the launcher passes
+    (the band's, `GROUP`) is part of the autotuner's key, so it never reuses the plain launch's pick."""
+    passed = []
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(launch, "hopper", None)
+    monkeypatch.setattr(launch, "_launch_tuned", lambda tunable, grid, args, meta, **kw: passed.append((tunable, meta)))
+    name = spec_name(resolve("fa2"), None, torch.bfloat16, 64, 77)
+    generator = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 4, 77, 64, generator=generator, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 77, 64, generator=generator, dtype=torch.bfloat16) for _ in range(2))  # GQA
+    keep = torch.ones(2, 77, dtype=torch.bool)
+    segments = launch.packed_segments([0, 30, 77], [0, 30, 77], q.device)
+    for band in (None, launch.band_of(q, k, True, (16, 0), None), launch.band_of(q, k, False, (-1, -1), keep),
+                 launch.band_of(q[:1], k[:1], True, (-1, -1), None, segments)):
+        qb, kb, vb, db = (t[:1] if band is not None and band.packed else t for t in (q, k, v, dout))
+        lse = torch.zeros(qb.shape[:3], dtype=torch.float32)
+        launch.forward(qb, kb, vb, True, 0.125, name, False, 1e-3, band=band)
+        launch.backward(db, qb, kb, vb, qb, lse, True, 0.125, name, band=band)
+    switches = {"MASK", "PAD", "SEG", "GROUP"}
+    assert switches <= {name for _, meta in passed for name in meta}  # every form was launched
+    for tunable, meta in passed:
+        missing = (set(meta) & switches) - set(tunable.key)
+        assert not missing, f"{tunable.kernel.__name__} is tuned without {sorted(missing)} in its key"
