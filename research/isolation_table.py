@@ -3,9 +3,9 @@
 Re-summarises every experiment from its logs, so a change of the divergence rule applies to old
 runs (unpack the committed runs.tar.xz into ROOT first). Writes ROOT/isolation-seeds.json (rows
 plus each run's loss curve, repeated-max share and per-head W_Q spectral norms: what
-`scripts/plot_results.py` draws) and ROOT/isolation-seeds.md (the table RESULTS.md quotes).
+`research/plot_results.py` draws) and ROOT/isolation-seeds.md (the table RESULTS.md quotes).
 
-    python scripts/isolation_table.py results/repro-bf16-4l/isolation-bf16-lr3e-2 --layer 1
+    python research/isolation_table.py results/repro-bf16-4l/isolation-bf16-lr3e-2 --layer 1
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Needs a Chromium binary (Debian: `apt-get install chromium`); without one it falls back to
 WeasyPrint + pypdfium2 (`pip install weasyprint pypdfium2`), which lay the page out as print pages.
 
-    python scripts/screenshot_report.py report.html --out report.png
+    python research/screenshot_report.py report.html --out report.png
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why the isolation's δ experiments blow the `bf16` preset up: see RESULTS.md "Reproduction status".
 
-    python scripts/delta_formula_errors.py --out results/delta-formulas/delta-formulas-cpu.json
+    python research/delta_formula_errors.py --out results/delta-formulas/delta-formulas-cpu.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ error, and the error's component along the exact gradient (negative: the gradien
 Which rounding sites make the gradients wrong, on real activations rather than synthetic rows. Also
 each row's sum of the probabilities the backward recomputes (1 in exact arithmetic).
 
-    python scripts/policy_errors_at_checkpoint.py --config repro-bf16-4l --checkpoint RUN \\
+    python research/policy_errors_at_checkpoint.py --config repro-bf16-4l --checkpoint RUN \\
         --set run.device=cpu --out results/repro-bf16-4l/diagnose-bf16-step200-cpu/policy-errors.json
 """
 

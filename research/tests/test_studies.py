@@ -8,13 +8,13 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sweep_runs_in_parallel_and_prints_the_verdict(tmp_path):
     out = tmp_path / "sweep"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "sweep.py"), "--out", str(out), "--config", "tiny-cpu",
+        [sys.executable, str(ROOT / "research" / "sweep.py"), "--out", str(out), "--config", "tiny-cpu",
          "--settings", "ref-paper,fp32", "--seeds", "0,1", "--jobs", "2", "--keep-runs", "--verdict", "ref-paper:fp32",
          "--set", "run.max_steps=3", "--set", "monitor.interval=1", "--set", "run.eval_interval=0"],
         capture_output=True, text=True, timeout=300, check=True)
@@ -26,7 +26,7 @@ def test_sweep_runs_in_parallel_and_prints_the_verdict(tmp_path):
     kept = sorted(p.name for p in (out / "runs").iterdir())
     assert kept == ["000-ref-paper-seed0", "001-fp32-seed0", "002-ref-paper-seed1", "003-fp32-seed1"]
     assert not (out / "runs" / kept[0] / "checkpoint.pt").exists() and (out / "runs" / kept[0] / "metrics.jsonl").exists()
-    study = subprocess.run([sys.executable, str(ROOT / "scripts" / "warning_study.py"), str(out / "runs"),
+    study = subprocess.run([sys.executable, str(ROOT / "research" / "warning_study.py"), str(out / "runs"),
                             "--out", str(tmp_path / "w.json")], capture_output=True, text=True, timeout=120, check=True)
     result = json.loads((tmp_path / "w.json").read_text())
     assert result["runs"] == 4 and result["blowups"] == 0 and result["healthy"] == 4
@@ -35,7 +35,7 @@ def test_sweep_runs_in_parallel_and_prints_the_verdict(tmp_path):
     assert signals == {"max_logit", "grad_norm", "repeated_max", "score_resolution"}
     assert all(row["explosion"]["caught"] == "0/0" and row["blowup"]["false_alarms"].endswith("/4")
                for row in result["calibration"])
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--out", str(tmp_path / "x"),
+    bad = subprocess.run([sys.executable, str(ROOT / "research" / "sweep.py"), "--out", str(tmp_path / "x"),
                           "--settings", "warp"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--settings: unknown ['warp']" in bad.stderr
 
@@ -74,7 +74,7 @@ def test_train_throughput_summary_judges_each_row_by_its_own_rounds_baseline(tmp
 def test_emulation_agreement_reports_bit_equal_fractions(tmp_path):
     """The emulation report runs on the CPU under Triton's interpreter and writes a fraction per output."""
     out = tmp_path / "agreement.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "emulation_agreement.py"), "--shapes", "1,2,70,16",
+    subprocess.run([sys.executable, str(ROOT / "research" / "emulation_agreement.py"), "--shapes", "1,2,70,16",
                     "--draws", "1", "--variants", "paper+pv32", "--out", str(out)],
                    env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300, check=True)
     rows = json.loads(out.read_text())["rows"]
@@ -88,7 +88,7 @@ def test_dose_response_runs_its_arms_resumes_them_and_applies_its_rule(tmp_path)
     step 20 and checkpoints, the next resumes them to 40, one more is cut by its budget; `summarise` then writes one
     JSON per arm, the figure and the verdict's parts."""
     out = tmp_path / "dose"
-    common = [sys.executable, str(ROOT / "scripts" / "dose_response.py"), "run", "--out", str(out), "--config",
+    common = [sys.executable, str(ROOT / "research" / "dose_response.py"), "run", "--out", str(out), "--config",
               "tiny-cpu", "--arms", "paper,e8m4-sr", "--seeds", "0", "--set", "run.checkpoint_interval=10",
               "--set", "monitor.interval=5", "--set", "attention.backend=reference", "--budget-s", "240"]
     for steps in (20, 40):
@@ -101,9 +101,9 @@ def test_dose_response_runs_its_arms_resumes_them_and_applies_its_rule(tmp_path)
                    check=True)  # stopped by the budget: each run keeps what it had checkpointed
     again = [json.loads(line) for line in (out / "runs" / "paper-s0" / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in again if "loss" in r][:40] == [r for r in first if "loss" in r]
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "dose_response.py"), "finish", str(out), "--budget-s", "240"],
+    subprocess.run([sys.executable, str(ROOT / "research" / "dose_response.py"), "finish", str(out), "--budget-s", "240"],
                    capture_output=True, text=True, timeout=300, check=True)  # δ per arm: no run diverged
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "dose_response.py"), "summarise", str(out)],
+    result = subprocess.run([sys.executable, str(ROOT / "research" / "dose_response.py"), "summarise", str(out)],
                             capture_output=True, text=True, timeout=120, check=True)
     for arm in ("paper", "e8m4-sr"):
         (run,) = json.loads((out / "arms" / f"{arm}.json").read_text())
@@ -118,7 +118,7 @@ def test_dose_response_runs_its_arms_resumes_them_and_applies_its_rule(tmp_path)
     assert "stochastic" in verdict["delta_per_arm"]["e8m4-sr"]["low"]
     assert "stochastic" not in verdict["delta_per_arm"]["paper"]["low"]
     assert (out / "dose-response.png").exists() and "e8m4-sr" in result.stdout
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "dose_response.py"), "pack", str(out),
+    subprocess.run([sys.executable, str(ROOT / "research" / "dose_response.py"), "pack", str(out),
                     str(tmp_path / "dose.tgz")], capture_output=True, text=True, timeout=120, check=True)
     with tarfile.open(tmp_path / "dose.tgz") as archive:
         names = archive.getnames()
@@ -127,7 +127,7 @@ def test_dose_response_runs_its_arms_resumes_them_and_applies_its_rule(tmp_path)
 
 
 def test_dose_response_divergence_rule():
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research"))
     from dose_response import first_divergence
 
     assert first_divergence([5.0, 4.0, 3.0, 3.5, 3.9]) is None
@@ -136,7 +136,7 @@ def test_dose_response_divergence_rule():
 
 
 def test_dose_response_names_the_diverging_step_as_the_metrics_count_it(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research"))
     from dose_response import summarise_run
 
     run = tmp_path / "run"
@@ -150,7 +150,7 @@ def test_dose_response_names_the_diverging_step_as_the_metrics_count_it(tmp_path
 
 
 def test_dose_response_points_the_diagnosis_at_the_first_divergence(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research"))
     from dose_response import diagnosis_commands
 
     arms = {"e8m4": [{"run": "e8m4-s0", "first_divergence": 900, "wq_growth": {"layer": 2}},
@@ -170,7 +170,7 @@ def test_dose_response_points_the_diagnosis_at_the_first_divergence(tmp_path):
 
 
 def test_dose_response_measures_delta_in_every_arm_before_any_divergence(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research"))
     from dose_response import delta_commands
 
     arms = {"e8m3": [{"run": "e8m3-s1", "first_divergence": None, "wq_growth": None},
@@ -184,7 +184,7 @@ def test_dose_response_measures_delta_in_every_arm_before_any_divergence(tmp_pat
 
 
 def test_dose_response_signatures_read_the_first_failing_runs_delta_trace(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research"))
     from dose_response import signatures
 
     def failing(cumulative, repeated):
@@ -207,7 +207,7 @@ def test_dose_response_signatures_read_the_first_failing_runs_delta_trace(tmp_pa
 
 
 def test_dose_response_verdict_counts_a_run_stopped_short_as_not_holding():
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research"))
     from dose_response import SHORTEST_HOLD, verdict
 
     def runs(*steps, diverged=None):
@@ -223,7 +223,7 @@ def test_dose_response_verdict_counts_a_run_stopped_short_as_not_holding():
 
 
 def test_dose_response_reads_every_run_at_one_common_step():
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research"))
     from dose_response import COMMON_WINDOW, SHORTEST_HOLD, at_common_step
 
     def run(name, steps, diverged=None, wq=1.0):
@@ -251,7 +251,7 @@ def test_dose_response_reads_every_run_at_one_common_step():
 
 
 def test_plot_results_redraws_the_dose_response_figure_from_the_arms_json(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "research"))
     from plot_results import plot_dose_response
 
     def run(name, wq):
@@ -263,3 +263,35 @@ def test_plot_results_redraws_the_dose_response_figure_from_the_arms_json(tmp_pa
         (tmp_path / "arms" / f"{arm}.json").write_text(json.dumps([run(f"{arm}-s0", 2.0), run(f"{arm}-s1", 3.0)]))
     figure = plot_dose_response(tmp_path)
     assert figure == tmp_path / "dose-response.png" and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bias_vs_noise_runs_its_arms_finishes_and_applies_its_rule(tmp_path):
+    """Two arms on the tiny CPU config (the reference backend): trained to a step target, the failing-or-first B
+    run's condition check and errors from its checkpoint, C's errors, then the verdict and the figure."""
+    out = tmp_path / "study"
+    script = str(ROOT / "research" / "bias_vs_noise.py")
+    subprocess.run([sys.executable, script, "run", "--out", str(out), "--config", "tiny-cpu", "--arms", "B3,C3",
+                    "--seeds", "0", "--steps", "12", "--set", "run.checkpoint_interval=6", "--set",
+                    "monitor.interval=3", "--set", "attention.backend=reference", "--set",
+                    "run.keep_interval_checkpoints=true", "--budget-s", "240"],
+                   capture_output=True, text=True, timeout=300, check=True)
+    config = (out / "runs" / "B3-s0" / "config.toml").read_text()
+    assert 'v_operand = "e8m3"' in config and 'pv = "e8m3"' in config
+    assert 'rounding = "stochastic"' in (out / "runs" / "C3-s0" / "config.toml").read_text()
+    sys.path.insert(0, str(ROOT / "research"))
+    import bias_vs_noise
+    from study_runs import collect
+
+    commands = bias_vs_noise.finish_commands(out, collect(out))
+    assert [c.split()[2] for c in commands] == ["condition", "errors", "errors"]
+    commands = [c.replace(f"--steps {bias_vs_noise.ERROR_STEPS}", "--steps 2") for c in commands]
+    from study_runs import run_commands
+    run_commands(commands, out / "finish-logs", 240)
+    result = subprocess.run([sys.executable, script, "summarise", str(out), "--steps", "12"], capture_output=True,
+                            text=True, timeout=120, check=True)
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["outcome"] == "inconclusive" and verdict["first_divergence"] == {"B3": [None], "C3": [None]}
+    assert verdict["signature"]["status"] == "measured" and verdict["signature"]["run"] == "B3-s0"
+    assert verdict["manipulation_check_on_the_gpu"] in (True, False)
+    assert set(verdict["errors"]) == {"B3-s0", "C3-s0"} and verdict["errors"]["B3-s0"]["steps"] == 2
+    assert (out / "bias-vs-noise.png").exists() and "B3" in result.stdout

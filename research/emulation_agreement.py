@@ -4,8 +4,8 @@ For each emulated policy (`EMULATED_VARIANTS`), with and without SFA, on fresh r
 entries of O, dQ, dK and dV equal bit for bit to the reference backend's under the same policy. The GPU tests assert
 >= 95% of outputs (80% of gradients); this reports the figure. On a GPU, or on the CPU with TRITON_INTERPRET=1.
 
-    python scripts/emulation_agreement.py --out results/emulation-agreement/emulation-agreement-h200.json
-    TRITON_INTERPRET=1 python scripts/emulation_agreement.py --shapes 1,2,130,16 --draws 1 --variants paper
+    python research/emulation_agreement.py --out results/emulation-agreement/emulation-agreement-h200.json
+    TRITON_INTERPRET=1 python research/emulation_agreement.py --shapes 1,2,130,16 --draws 1 --variants paper
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Redraw the committed GPU figures from their JSON (no GPU needed).
 
-    python scripts/plot_results.py            # every figure under results/
+    python research/plot_results.py            # every figure under results/
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def plot_isolation(path: Path) -> list[Path]:
 
 
 def plot_dose_response(folder: Path) -> Path:
-    """The dose-response study's figure from its arms' JSON, as `scripts/dose_response.py summarise` draws it (the
+    """The dose-response study's figure from its arms' JSON, as `research/dose_response.py summarise` draws it (the
     arms in the order of their runs' folders, as there)."""
     from dose_response import draw_figures
 

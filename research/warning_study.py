@@ -8,7 +8,7 @@ one that stays >= the best so far + 1.0 for 10 steps; a healthy run is "calm" if
 exceeded 100 either (clipping hides such explosions from the loss). Warnings during the warm-up are counted apart:
 the logits and the gradient norm grow fastest there on every run.
 
-    python scripts/warning_study.py results/repro-bf16-4l/sweep-06/runs results/repro-bf16-4l/sweep-07/runs \\
+    python research/warning_study.py results/repro-bf16-4l/sweep-06/runs results/repro-bf16-4l/sweep-07/runs \\
         results/repro-bf16-4l/isolation-bf16-lr3e-2 \\
         --out results/repro-bf16-4l/warning-study.json
 """

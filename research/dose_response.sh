@@ -7,16 +7,16 @@
 # The corpus must be in data/debian-docs (`stableflash prepare --dataset debian-docs`, ~80 s; carry it to a GPU
 # machine that has no network). Compiled kernels are cached in OUT/cache, so a call on a machine still warm from the
 # last one does not compile again.
-#   scripts/dose_response.sh OUT [BUDGET] [FINISH]
+#   research/dose_response.sh OUT [BUDGET] [FINISH]
 set -euo pipefail
-out=${1:?usage: scripts/dose_response.sh OUT [BUDGET] [FINISH]}
+out=${1:?usage: research/dose_response.sh OUT [BUDGET] [FINISH]}
 budget=${2:-540}
 finish=${3:-0}
 mkdir -p "$out/cache"
 export TORCHINDUCTOR_CACHE_DIR=$out/cache/inductor TRITON_CACHE_DIR=$out/cache/triton
-python3 scripts/dose_response.py run --out "$out" --budget-s $((budget - finish)) --config study-6l \
+python3 "$(dirname "$0")/dose_response.py" run --out "$out" --budget-s $((budget - finish)) --config study-6l \
   --steps 3000 --set run.keep_interval_checkpoints=true --set data.dataset=debian-docs --set data.data_dir=data --set model.vocab_size=8192
 if [ "$finish" -gt 0 ]; then
-  python3 scripts/dose_response.py finish "$out" --budget-s "$finish"
+  python3 "$(dirname "$0")/dose_response.py" finish "$out" --budget-s "$finish"
 fi
-python3 scripts/dose_response.py summarise "$out"
+python3 "$(dirname "$0")/dose_response.py" summarise "$out"

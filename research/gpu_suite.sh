@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores).
-#   scripts/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf]...
+#   research/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf]...
 #   (default: tests bench)
 # train: the compiled training step's throughput, sdpa against our kernels, six interleaved rounds
 # profile: a profile of the compiled training step
-# agreement: how often the emulated presets give the reference's bits (scripts/emulation_agreement.py)
+# agreement: how often the emulated presets give the reference's bits (research/emulation_agreement.py)
 # cost: SFA's and the statistics' cost and SFA vs FA2 over 7 interleaved rounds, from a graph (and eager at T = 1024)
 # narrow: the dose-response study's numerics (e8m4 nearest, toward zero, stochastic) as a ratio to the `paper` kernel
 # gqa: GQA against MHA at the same FLOPs, its group summed in the dK/dV programs or afterwards;
@@ -13,7 +13,7 @@
 # hf: a transformers Llama's compiled training step, sdpa against ours
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
 set -u
-out=${1:?usage: scripts/gpu_suite.sh OUTDIR [tests|bench|train]...}
+out=${1:?usage: research/gpu_suite.sh OUTDIR [tests|bench|train]...}
 shift
 parts=${*:-tests bench}
 mkdir -p "$out"
@@ -43,7 +43,7 @@ for part in $parts; do
     profile) python3 benchmarks/train_throughput.py --compile --profile --steps 10 --warmup 8 --out "$out/prof" \
                --settings sdpa,triton-fa2,triton-fa2-sfa 2>&1 | tail -12 | tee "$out/train-profile.log"
              cp "$out/prof/train-profile-compiled.json" "$out/" 2>/dev/null; rm -rf "$out/prof" ;;
-    agreement) python3 scripts/emulation_agreement.py --out "$out/emulation-agreement-h200.json" 2>&1 | grep -v Warning \
+    agreement) python3 research/emulation_agreement.py --out "$out/emulation-agreement-h200.json" 2>&1 | grep -v Warning \
                  | tee "$out/emulation-agreement.log" ;;
     cost) python3 benchmarks/feature_cost.py --rounds 7 --out "$out/feature-cost-h200.json" 2>&1 | grep -v Warning \
             | tee "$out/feature-cost.log" ;;

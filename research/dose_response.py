@@ -2,10 +2,10 @@
 resumes from its checkpoint in the next call; `summarise` turns the runs into one JSON per arm, figures and the
 verdict by the rule written before the run.
 
-    python scripts/dose_response.py run --out OUT --budget-s 540 --steps 3000   # call again to continue every run
-    python scripts/dose_response.py finish OUT --budget-s 240           # δ per arm, the first failure's isolation
-    python scripts/dose_response.py summarise OUT                       # OUT/arms/*.json, figures, OUT/verdict.json
-    python scripts/dose_response.py pack OUT dose.tgz                   # all of it but checkpoints and caches
+    python research/dose_response.py run --out OUT --budget-s 540 --steps 3000   # call again to continue every run
+    python research/dose_response.py finish OUT --budget-s 240           # δ per arm, the first failure's isolation
+    python research/dose_response.py summarise OUT                       # OUT/arms/*.json, figures, OUT/verdict.json
+    python research/dose_response.py pack OUT dose.tgz                   # all of it but checkpoints and caches
 """
 
 from __future__ import annotations
@@ -13,12 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from study_runs import checkpoint_before, collect, growth_layer, pack, run_arms, run_commands
 
 PV_PATH = "pbar_operand,pv,acc_scaled,acc"
 
@@ -40,8 +37,6 @@ ARMS = {
     "e8m4-pv32": ["attention.precision=paper", "attention.pv_fp32=true", "attention.sites.pbar_operand=e8m4"],
 }
 FRACTION_BITS = {"e8m3": 3, "e8m4": 4, "paper": 7}
-DIVERGENCE = 1.0
-"""A run diverges at the first step whose loss is non-finite or this much above its best so far."""
 SHORTEST_HOLD = 500
 """A run that the budget stopped before this step, without diverging, counts as neither holding nor diverging."""
 DELTA_STEPS = 10
@@ -57,92 +52,9 @@ def run(args) -> None:
     unknown = sorted(set(args.arms.split(",")) - set(ARMS))
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; arms: {list(ARMS)}")
-    runs = args.out / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], []
-    for arm in args.arms.split(","):
-        for seed in args.seeds.split(","):
-            folder = runs / f"{arm}-s{seed}"
-            if _finished(folder, args.steps):
-                continue
-            resume = (folder / "checkpoint.pt").exists()
-            command = [sys.executable, "-m", "stableflash", "train"]
-            command += ["--resume", str(folder)] if resume else ["--config", args.config, "--out", str(folder)]
-            if not resume and folder.exists():  # stopped before it had trained a step: start it over
-                command.append("--overwrite")
-            overrides = [] if resume else [*ARMS[arm], f"run.seed={seed}", *args.set]
-            for item in (*overrides, f"run.max_steps={args.steps}"):  # a later call may train further
-                command += ["--set", item]
-            logs.append(open(args.out / f"{arm}-s{seed}.log", "a"))
-            procs.append((folder, subprocess.Popen(command, stdout=logs[-1], stderr=subprocess.STDOUT)))
-    _within_budget([p for _, p in procs], logs, args.budget_s)
-    for folder, p in procs:
-        print(f"{folder.name}: exit {p.returncode}, step {_steps(folder)}", flush=True)
-
-
-def _within_budget(procs: list[subprocess.Popen], logs: list, budget_s: float) -> None:
-    """Wait for the processes for at most `budget_s`, then stop the rest with SIGTERM (a trainer checkpoints on it
-    and exits 143), all at once, and wait for them; close their logs."""
-    deadline = time.monotonic() + budget_s
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(2)
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        p.wait()
-    for log in logs:
-        log.close()
-
-
-def _finished(folder: Path, steps: int) -> bool:
-    """Trained `steps` steps, or stopped by the trainer's NaN/spike detector."""
-    if any(e.get("kind") == "stop" for e in _jsonl(folder / "events.jsonl")):
-        return True
-    return _steps(folder) >= steps
-
-
-def _steps(folder: Path) -> int:
-    return len([m for m in _jsonl(folder / "metrics.jsonl") if "loss" in m])
-
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def first_divergence(losses: list[float]) -> int | None:
-    best = math.inf
-    for step, loss in enumerate(losses):
-        if not math.isfinite(loss) or loss >= best + DIVERGENCE:
-            return step
-        best = min(best, loss)
-    return None
-
-
-def summarise_run(folder: Path) -> dict:
-    records = [m for m in _jsonl(folder / "metrics.jsonl") if "loss" in m]
-    losses = [m["loss"] for m in records]
-    monitor = [r for r in _jsonl(folder / "monitor.jsonl") if "spectral" in r]
-    wq = [[[float(x) for x in heads] for heads in r["spectral"]["q"]] for r in monitor]  # step, layer, head
-    growth = None
-    if len(wq) >= 2:
-        rise = [[wq[-1][layer][h] / wq[0][layer][h] for h in range(len(wq[0][layer]))] for layer in range(len(wq[0]))]
-        layer, head = max(((li, hi) for li, heads in enumerate(rise) for hi in range(len(heads))),
-                          key=lambda lh: rise[lh[0]][lh[1]])
-        growth = {"layer": layer, "head": head, "ratio": rise[layer][head]}
-    attention = [r.get("attention") for r in monitor if r.get("attention")]
-    # the diverging step (the metrics' steps count from 1; `first_divergence` gives an index into the losses), or the
-    # trainer's own loss stop (non-finite or spiking loss) where the rule saw none yet
-    rule = first_divergence(losses)
-    stops = [e["step"] for e in _jsonl(folder / "events.jsonl") if e.get("kind") == "stop"]
-    diverged = [s for s in (None if rule is None else rule + 1, *stops[:1]) if s is not None]
-    return {"steps": len(losses), "best_loss": min((x for x in losses if math.isfinite(x)), default=math.nan),
-            "final_loss": losses[-1] if losses else math.nan, "first_divergence": min(diverged, default=None),
-            "losses": losses, "grad_norms": [m.get("grad_norm", math.nan) for m in records],
-            "monitor_steps": [r["step"] for r in monitor],
-            "wq_spectral": wq, "wq_growth": growth, "attention": attention}
+    runs = {f"{arm}-s{seed}": [*ARMS[arm], f"run.seed={seed}"] for arm in args.arms.split(",")
+            for seed in args.seeds.split(",")}
+    run_arms(args.out, runs, config=args.config, steps=args.steps, budget_s=args.budget_s, extra=args.set)
 
 
 def verdict(arms: dict[str, list[dict]]) -> dict:
@@ -213,7 +125,7 @@ def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
         return []
     run = out / "runs" / first["run"]
     before = checkpoint_before(run, first["first_divergence"])
-    layer = _growth_layer(first)
+    layer = growth_layer(first)
     until = first["first_divergence"] + ISOLATION_MARGIN
     # no --replay: the isolation trains past the run's last recorded batch, and the batches are a pure function of
     # seed and step. Without a checkpoint before the divergence, the isolation trains from the same initialisation.
@@ -224,23 +136,10 @@ def diagnosis_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
     return [_delta_command(run, before, layer, out / "diagnose-delta"), isolate] if before else [isolate]
 
 
-def _growth_layer(run: dict) -> int:
-    """The layer of the run's fastest-growing W_Q head (0 without spectral records)."""
-    return run["wq_growth"]["layer"] if run["wq_growth"] else 0
-
-
 def _delta_command(run: Path, checkpoint: Path, layer: int, out: Path) -> str:
     """The signed cumulative δ error over DELTA_STEPS steps from `checkpoint`, under the run's own numerics."""
     return (f"stableflash diagnose delta --config {run / 'config.toml'} --checkpoint {checkpoint} --low config "
             f"--steps {DELTA_STEPS} --layer {layer} --out {out}")
-
-
-def checkpoint_before(run: Path, step: int) -> Path | None:
-    """The run's last kept interval checkpoint (`run.keep_interval_checkpoints`) before its diverging `step`: one of
-    at most `step - 1` trained steps."""
-    kept = {int(p.stem.split("-")[1]): p for p in run.glob("checkpoint-[0-9]*.pt")}
-    steps = [trained for trained in kept if trained < step]
-    return kept[max(steps)] if steps else None
 
 
 def delta_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
@@ -257,16 +156,8 @@ def delta_commands(out: Path, arms: dict[str, list[dict]]) -> list[str]:
         source = checkpoint_before(run, first["first_divergence"]) if diverged else run / "checkpoint.pt"
         if source is None:
             continue
-        commands.append(_delta_command(run, source, _growth_layer(first), out / "delta" / arm))
+        commands.append(_delta_command(run, source, growth_layer(first), out / "delta" / arm))
     return commands
-
-
-def _collect(out: Path) -> dict[str, list[dict]]:
-    arms: dict[str, list[dict]] = {}
-    for folder in sorted((out / "runs").iterdir()):
-        arm = folder.name.rsplit("-s", 1)[0]
-        arms.setdefault(arm, []).append(summarise_run(folder) | {"run": folder.name})
-    return arms
 
 
 def delta_at_growth_head(trace_path: Path, run: dict) -> dict | None:
@@ -305,7 +196,7 @@ def signatures(out: Path, arms: dict[str, list[dict]]) -> dict:
 
 
 def summarise(args) -> None:
-    arms = _collect(args.out)
+    arms = collect(args.out)
     (args.out / "arms").mkdir(exist_ok=True)
     for arm, runs in arms.items():
         (args.out / "arms" / f"{arm}.json").write_text(json.dumps(runs))
@@ -343,37 +234,11 @@ def summarise(args) -> None:
 
 def finish(args) -> None:
     """After the last training call: every arm's δ trace, the first failing run's δ trace and isolation, all at once
-    (one process each; the isolation trains its experiments side by side), stopped at the budget. What finished
-    is what `summarise` reads."""
-    arms = _collect(args.out)
-    commands = [*delta_commands(args.out, arms), *diagnosis_commands(args.out, arms)]
-    logs = args.out / "finish-logs"
-    logs.mkdir(exist_ok=True)
-    procs, files = [], []
-    for index, command in enumerate(commands):
-        words = shlex.split(command)
-        files.append(open(logs / f"{index:02d}-{words[1]}.log", "w"))
-        files[-1].write(command + "\n")
-        files[-1].flush()
-        procs.append(subprocess.Popen([sys.executable, "-m", "stableflash", *words[1:]], stdout=files[-1],
-                                      stderr=subprocess.STDOUT))
-    _within_budget(procs, files, args.budget_s)  # a δ trace stopped early is lost; the isolation keeps what finished
-    for command, p in zip(commands, procs):
-        print(f"exit {p.returncode}: {command}", flush=True)
-
-
-def pack(args) -> None:
-    """What the study's results folder keeps, as one archive: the summaries, the figure, the δ traces, the isolation
-    table, the logs and each run's records (no checkpoints, no compile cache)."""
-    import tarfile
-
-    def small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        parts = Path(info.name).parts
-        return None if info.name.endswith(".pt") or "cache" in parts[:2] else info
-
-    with tarfile.open(args.archive, "w:gz") as archive:
-        archive.add(args.out, arcname=args.out.name, filter=small)
-    print(f"wrote {args.archive} ({args.archive.stat().st_size / 1e6:.1f} MB)")
+    (one process each; the isolation trains its experiments side by side), stopped at the budget (a δ trace stopped
+    early is lost; the isolation keeps what finished)."""
+    arms = collect(args.out)
+    run_commands([*delta_commands(args.out, arms), *diagnosis_commands(args.out, arms)], args.out / "finish-logs",
+                 args.budget_s)
 
 
 def draw_figures(out: Path, arms: dict[str, list[dict]]) -> Path:
@@ -430,7 +295,10 @@ def main():
     p.add_argument("out", type=Path)
     p.add_argument("archive", type=Path)
     args = parser.parse_args()
-    {"run": run, "finish": finish, "summarise": summarise, "pack": pack}[args.command](args)
+    if args.command == "pack":
+        pack(args.out, args.archive)
+        return
+    {"run": run, "finish": finish, "summarise": summarise}[args.command](args)
 
 
 if __name__ == "__main__":

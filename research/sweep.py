@@ -5,7 +5,7 @@ loss, whether it failed by the reproduction rule: final >= best + 1.0 or non-fin
 repeated-max share, peak W_Q spectral norm) into one JSON file, written after every
 run so a time-out keeps what finished. `--budget-s` stops starting new runs.
 
-    python scripts/sweep.py --out results/failure-search/sweep-01 --grid "optim.lr=1e-2;optim.lr=3e-2" \\
+    python research/sweep.py --out results/failure-search/sweep-01 --grid "optim.lr=1e-2;optim.lr=3e-2" \\
         --settings paper,fp32,sdpa --seeds 0,1,2 --set model.n_layer=4 ...
 """
 
@@ -156,7 +156,7 @@ def main():
     ensure_embedded(data_dir)
     cells = [c.split(",") if c else [] for c in args.grid.split(";")]
     deadline = time.time() + args.budget_s
-    results = {"command": "python scripts/sweep.py " + shlex.join(sys.argv[1:]), "runs": []}
+    results = {"command": "python research/sweep.py " + shlex.join(sys.argv[1:]), "runs": []}
     # seeds outermost within a cell: a budget cut then leaves every setting with the same seeds
     plan = [(cell, setting, int(seed)) for cell in cells for seed in args.seeds.split(",")
             for setting in args.settings.split(",")]

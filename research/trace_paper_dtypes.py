@@ -7,7 +7,7 @@ autograd.Function backward) outside it. This script re-creates that code, record
 the dtype each site's value has, checks whether torch.compile changes the
 numbers, and writes a JSON file and a Markdown table.
 
-    python scripts/trace_paper_dtypes.py --out results/paper-dtypes   # needs CUDA
+    python research/trace_paper_dtypes.py --out results/paper-dtypes   # needs CUDA
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def main():
             "max_abs_diff": (a.float() - b.float()).abs().max().item(),
         }
     result = {
-        "command": "python scripts/trace_paper_dtypes.py --out " + str(args.out),
+        "command": "python research/trace_paper_dtypes.py --out " + str(args.out),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
         "shape": [B, H, T, D], "block": args.block, "sites": recorder.sites, "compiled_vs_eager": comparison,
     }
