@@ -156,3 +156,17 @@ def test_narrow_formats_and_toward_zero_compile_for_sm90(variant, kernel):
     config = tuning.emulation_config(False, 64)
     ptx = compile_kernel(name, kernel, constexprs(name, kernel, 64, config), config).asm["ptx"]
     assert not re.findall(r"\bfma\.rn\.f32", ptx)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("arm", ["B3", "C3", "B3-sfa-official"])
+def test_the_bias_vs_noise_arms_compile_for_sm90(arm, kernel):
+    """The study's kernels (docs/bias-vs-noise.md): V's operand and P̄V in e8m3, P̄V stochastic in C, the official SFA
+    rule, each forward with the statistics (biasable rows); every product still rounded on its own."""
+    from stableflash.diagnose.condition import arm_policy
+
+    stabilize = SFA.official() if arm.endswith("official") else None
+    name = spec_name(arm_policy(arm[:2]), stabilize, torch.bfloat16, 64, 4096)
+    config = tuning.emulation_config(False, 64)
+    ptx = compile_kernel(name, kernel, constexprs(name, kernel, 64, config, stats=kernel == "fwd"), config).asm["ptx"]
+    assert not re.findall(r"\bfma\.rn\.f32", ptx)

@@ -387,11 +387,14 @@ PACKED_LENGTHS = {  # queries and keys per sequence: odd lengths, one of 1; then
     "self-attention": ([30, 1, 77, 13], [30, 1, 77, 13]),
     "other key lengths": ([30, 1, 77, 13, 0], [45, 3, 50, 0, 7]),
     "a long sequence": ([7, 170, 20], [7, 170, 20]),  # tiles inside one sequence's band run unmasked
+    # many more queries than keys: whole query tiles see no key (causal to the bottom right)
+    "more queries than keys": ([150, 5, 130], [20, 70, 3]),
 }
 
 
 @pytest.mark.parametrize("lengths", list(PACKED_LENGTHS))
-@pytest.mark.parametrize("causal, window", [(True, None), (True, (9, 0)), (False, (6, 4))])
+@pytest.mark.parametrize("causal, window", [(True, None), (True, (9, 0)), (False, (6, 4)), (False, None),
+                                           (True, (-1, 3)), (False, (0, -1))])
 def test_packed_sequences_run_in_one_kernel_call(causal, window, lengths, monkeypatch):
     """flash_attn_varlen_func's packed batch in one masked call of the kernels, GQA, each sequence causal to its own
     bottom right: outputs and gradients within twice the per-sequence reference's error against fp64."""

@@ -114,7 +114,7 @@ def key_tags(KEEP_ROW, offs_n, TK, PAD: tl.constexpr):
     table (KEEP_ROW there points at the keys' columns), its sequence's index (PAD), else 1. A query sees a key only
     where their tags agree (`query_tags`)."""
     if PAD:
-        tags = tl.load(KEEP_ROW + offs_n, mask=offs_n < TK, other=0).to(tl.int32)
+        tags = tl.load(KEEP_ROW + offs_n, mask=(offs_n >= 0) & (offs_n < TK), other=0).to(tl.int32)
     else:
         tags = tl.full(offs_n.shape, 1, tl.int32)
     return tags
