@@ -36,7 +36,7 @@ ARMS = {  # name -> (seeds, overrides)
     "paper": ((0,), ["attention.precision=paper"]),
     "fp32": ((0,), ["attention.precision=fp32"]),
 }
-STEPS = 600
+STEPS = 400
 """The step target of every run (docs/bias-vs-noise.md)."""
 ERROR_STEPS = 100
 """Consecutive replayed steps of `diagnose errors` (every micro-batch); a finish stopped by its budget keeps fewer."""
