@@ -92,3 +92,55 @@ def pv_error(trace: PVTrace, path: Path) -> Path:
     ax.set_title(f"P̄V trace: row {trace.row}, feature {trace.feature}")
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def attention_counters(run: Path, path: Path) -> Path | None:
+    """The monitor's per-head counters over training: the SFA condition split by the repeated maximum's sign (the
+    seed's Figure 13) and the share of biasable rows per (layer, head). None where the monitor recorded none."""
+    import numpy as np
+
+    records = [r for r in read_jsonl(run / "monitor.jsonl") if r.get("attention")]
+    if not records:
+        return None
+    steps = [r["step"] for r in records]
+    layers = len(records[0]["attention"])
+    heads = max(len(a["rows"]) for a in records[0]["attention"] if a)
+
+    def per_head(record, name):
+        return [[(a.get(name, [0] * heads)[h] / max(a["rows"][h], 1)) if a else np.nan for h in range(heads)]
+                for a in record["attention"]]
+
+    repeated = np.array([per_head(r, "repeated_max_rows") for r in records])  # (steps, layers, heads)
+    positive = np.array([per_head(r, "repeated_max_rows_positive") for r in records])
+    biasable = np.array([per_head(r, "biasable_rows") for r in records])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.22 * layers * heads + 2.5))
+    left.plot(steps, np.nanmean(positive, axis=(1, 2)), label="a positive maximum repeats (SFA: m = βm)")
+    left.plot(steps, np.nanmean(repeated - positive, axis=(1, 2)), label="only maxima <= 0 repeat (SFA: m = 0)")
+    left.set(xlabel="step", ylabel="share of rows (mean over heads)", title="the SFA condition by the maximum's sign")
+    left.legend(fontsize=8)
+    image = right.imshow(biasable.reshape(len(steps), layers * heads).T, aspect="auto", interpolation="nearest",
+                         extent=(steps[0], steps[-1], layers * heads - 0.5, -0.5), cmap="viridis")
+    right.set_yticks(range(layers * heads), [f"L{i // heads}H{i % heads}" for i in range(layers * heads)], fontsize=6)
+    right.set(xlabel="step", title="share of biasable rows per head")
+    fig.colorbar(image, ax=right)
+    fig.suptitle(run.name)
+    return _save(fig, path)
+
+
+def error_trace(trace: dict, path: Path) -> Path:
+    """A `diagnose errors` trace: the cumulative δ error per head over the replayed steps, and W_Q's drift along R on
+    the held-out steps."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 3.5))
+    heads = len(trace["cumulative_delta_error"][0]) if trace["steps"] else 0
+    for head in range(heads):
+        left.plot(trace["steps"], [row[head] for row in trace["cumulative_delta_error"]], lw=1, label=f"head {head}")
+        held = trace["steps"][trace["estimate_steps"]:][:len(trace["wq_drift_along_r"])]
+        right.plot(held, [row[head] for row in trace["wq_drift_along_r"]], lw=1, label=f"head {head}")
+    for ax in (left, right):
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7, ncol=3)
+    left.set(ylabel="cumulative Σ (δ_lp - δ_hp)", title=f"δ error, layer {trace['layer']}, every micro-batch: "
+             f"{trace['low']} - {trace['high']}")
+    right.set(ylabel="uᵀ (W_Q(t) - W_Q(t0)) v", title="W_Q's drift along R (estimated on the steps before)")
+    return _save(fig, path)

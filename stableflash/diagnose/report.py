@@ -1,20 +1,22 @@
 """`stableflash report RUN_DIR...`: one self-contained HTML page of a study's figures and tables.
 
-Everything is drawn from the files the runs and diagnostics wrote: metrics/monitor/events JSONL
-of each run, and any `delta-trace.json`, `pv-trace.json`, `bias.json`, `decompose.json`,
-`spectral.json` or `isolation.json` found in the given folders (headed by the folder each sits
-in). Images are embedded, so the page travels alone.
+Everything is drawn from the files the runs and diagnostics wrote: metrics/monitor/events JSONL of each run (the
+attention counters among them), and any `delta-trace.json`, `pv-trace.json`, `bias.json`, `decompose.json`,
+`spectral.json`, `condition-*.json`, `errors.json` or `isolation.json` found in the given folders (headed by the
+folder each sits in). Images are embedded, so the page travels alone.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import json
 import tempfile
 from pathlib import Path
 
 from stableflash.diagnose import figures
 from stableflash.diagnose.bias import BiasAttribution
+from stableflash.diagnose.condition import ConditionCheck
 from stableflash.diagnose.decompose import WqErrorStudy
 from stableflash.diagnose.delta import DeltaTrace
 from stableflash.diagnose.isolate import IsolationTable
@@ -61,6 +63,10 @@ def build_report(run_dirs: list[str | Path], out: str | Path, title: str = "stab
                 sections.append(f"<h2>{html.escape(name)}: spectral norms and repeated maxima</h2>"
                                 + _img(figures.spectral_heatmap(history, tmp / f"{name}-spectral-q.png"))
                                 + _img(figures.repeated_max_vs_loss(run, history, tmp / f"{name}-repeated-max.png")))
+            counters = figures.attention_counters(run, tmp / f"{name}-counters.png")
+            if counters is not None:
+                sections.append(f"<h2>{html.escape(name)}: the SFA condition by sign, biasable rows</h2>"
+                                + _img(counters))
         for folder in run_dirs:
             for path in sorted(folder.rglob("delta-trace*.json")):
                 sections.append("<h2>δ error, cumulative</h2>"
@@ -80,6 +86,13 @@ def build_report(run_dirs: list[str | Path], out: str | Path, title: str = "stab
                 sections.append(f"<h2>Spectral norms ({html.escape(_where(path, folder))})</h2>"
                                 + _img(figures.spectral_heatmap(history, tmp / f"{_where(path, folder)}-q.png"
                                                                 .replace("/", "_"))))
+            for path in sorted(folder.rglob("condition-*.json")):
+                sections.append(f"<h2>The seed's condition ({html.escape(_where(path, folder))}, {path.stem})</h2>"
+                                + _markdown_table(ConditionCheck.load(path).to_markdown().split("\n", 2)[2]))
+            for path in sorted(folder.rglob("errors.json")):
+                name = _where(path, folder).replace("/", "_")
+                sections.append(f"<h2>Errors over training ({html.escape(_where(path, folder))})</h2>"
+                                + _img(figures.error_trace(json.loads(path.read_text()), tmp / f"{name}-errors.png")))
             for path in sorted(folder.rglob("isolation.json")):
                 sections.append(f"<h2>Isolation experiments ({html.escape(str(path.parent.name))})</h2>"
                                 + _markdown_table(IsolationTable.load(path).to_markdown()))

@@ -146,14 +146,21 @@ def test_report_embeds_every_figure(base_run, tmp_path):
     assert main(["diagnose", "bias", "--ties", "2", "--keys", "64", "--out", str(tmp_path / "diag" / "two")]) == 0
     assert main(["diagnose", "pv-trace", "--ties", "3", "--keys", "64", "--out", str(tmp_path / "diag")]) == 0
     assert main(["diagnose", "spectral", str(run), "--out", str(tmp_path / "diag")]) == 0
+    assert main(["diagnose", "condition", "--arms", "B4,C4", "--heads", "1", "--out", str(tmp_path / "diag")]) in (0, 1)
     (tmp_path / "diag" / "delta-trace.json").write_text(json.dumps(
         {"kind": "DeltaTrace", "low": "paper", "high": "fp64", "layer": 0, "steps": [0, 1],
          "sums": [[0.1, -0.2], [0.3, 0.1]], "cumulative": [[0.1, -0.2], [0.4, -0.1]]}))
+    (tmp_path / "diag" / "errors").mkdir()
+    (tmp_path / "diag" / "errors" / "errors.json").write_text(json.dumps(
+        {"layer": 0, "low": "paper", "high": "fp64", "estimate_steps": 1, "steps": [4, 5],
+         "cumulative_delta_error": [[0.1, 0.0], [0.3, 0.1]], "wq_drift_along_r": [[0.2, -0.1]]}))
     out = build_report([run, tmp_path / "diag"], tmp_path / "report.html")
     page = out.read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    # loss, spectral heat map, repeated maxima vs loss, δ cumulative sum, P̄V trace, spectral.json's heat map
-    assert len(images) == 6
+    # loss, spectral heat map, repeated maxima vs loss, the attention counters, δ cumulative sum, P̄V trace,
+    # spectral.json's heat map, the errors trace
+    assert len(images) == 8
+    assert "The seed's condition (diag, condition-synthetic)" in page and "Errors over training (diag/errors)" in page
     assert all(base64.b64decode(img)[:8] == b"\x89PNG\r\n\x1a\n" for img in images)
     assert "Bias attribution (diag)" in page and "Bias attribution (diag/two)" in page and "<table>" in page
     assert "Spectral norms (diag)" in page
