@@ -35,6 +35,18 @@ def _prepare(args) -> int:
     return prepare_command(args)
 
 
+def _torch_missing(error: ImportError) -> str:
+    return (f"needs PyTorch, which is not installed here ({error}); install it first, e.g. `pip install torch` (a "
+            "CUDA build) or `pip install torch --index-url https://download.pytorch.org/whl/cpu`")
+
+
+def _needs(error: ImportError):
+    """A command's stand-in where PyTorch is missing: it says so when called."""
+    def refuse(args) -> int:
+        raise ImportError(_torch_missing(error), name="stableflash")
+    return refuse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stableflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from stableflash.train.cli import add_train_arguments
         from stableflash.train.data import add_prepare_arguments
-    except ImportError:  # the training layer is optional at this level
+    except ImportError as error:  # no PyTorch: the commands that need it say so when called
+        for name in ("train", "prepare", "diagnose", "isolate", "report", "reproduce"):
+            p = sub.add_parser(name, help=f"(needs PyTorch: {error.name or error})", add_help=False)
+            p.set_defaults(func=_needs(error), any_arguments=True)
         return parser
     p = sub.add_parser("train", help="train a GPT with per-layer/per-head attention control")
     add_train_arguments(p)
@@ -79,10 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["explain-add"]:
         argv = _negative_specials(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
-    except (ValueError, TypeError, OSError, ImportError) as error:  # a user's mistake: one line, not a traceback
+    except (ValueError, TypeError, OSError, ImportError, MemoryError) as error:  # one line, not a traceback
+        if isinstance(error, ImportError) and error.name == "torch":
+            error = _torch_missing(error)
         print(f"stableflash {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -33,3 +33,15 @@ def test_demo_numerics_part(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "-0.014759540557861328" in out and "paper+SFA" in out
     assert (tmp_path / "mechanism.json").exists()
+
+
+def test_without_pytorch_the_commands_say_they_need_it():
+    """With torch not importable, every command answers in one line that PyTorch is missing, not with argparse's
+    "invalid choice" or a traceback."""
+    code = ("import sys; sys.modules['torch'] = None; from stableflash.cli import main; "
+            "raise SystemExit(main(sys.argv[1:]))")
+    for argv in (["train", "--config", "tiny-cpu", "--out", "x"], ["demo", "--no-train"], ["diagnose", "spectral"],
+                 ["explain-add", "1", "2"]):
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert "needs PyTorch" in done.stderr and "Traceback" not in done.stderr, (argv, done.stderr)

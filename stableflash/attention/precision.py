@@ -18,7 +18,7 @@ Presets (see `PRESETS` and docs/precision.md):
 
 The isolation knobs of the seed's section 3.4.2 are methods returning a new
 policy: `tiling_off()`, `with_delta(...)`, `with_pv_fp32()`, `with_o_fp32()`,
-`with_heads(...)`.
+`with_heads(...)`. A training config's table of them: `stableflash.train.config.AttentionConfig.policy`.
 """
 
 from __future__ import annotations
@@ -266,59 +266,6 @@ class Precision:
     def with_heads(self, heads, policy: str | Precision) -> Precision:
         """Compute the given head indices with `policy` (e.g. per-head fp32)."""
         return self.replace(name=f"{self.name}+heads{sorted(heads)}", head_override=(tuple(sorted(heads)), resolve(policy)))
-
-    @classmethod
-    def from_config(cls, cfg) -> Precision:
-        """The policy an attention config describes (`stableflash.train.config.AttentionConfig`, or any object
-        with its fields): a preset, its table of sites, then the knobs that change a part of it whatever the table
-        says (`pv_fp32`, `o_fp32`, one pass in another preset: the isolation's experiments on any run), then the
-        rounding mode and the per-head override. Validated here, once; a ValueError names the config's field
-        (`attention.precision`, `attention.sites.qk`, ...)."""
-        def preset(name: str, value: str) -> Precision:
-            if value not in PRESETS:
-                either = "'' or " if name.endswith("_precision") and name != "head_precision" else ""
-                raise ValueError(f"attention.{name}: expected {either}one of {sorted(PRESETS)}, got {value!r}")
-            return PRESETS[value]
-
-        policy = preset("precision", cfg.precision)
-        if not cfg.tiling:
-            policy = policy.tiling_off()
-        if cfg.delta != "do_o":
-            if cfg.delta not in DELTA_FORMULAS:
-                raise ValueError(f"attention.delta: expected one of {DELTA_FORMULAS}, got {cfg.delta!r}")
-            policy = policy.with_delta(cfg.delta)
-        if cfg.sites:
-            if not isinstance(cfg.sites, dict):
-                raise ValueError(f"attention.sites: expected a table of site = format, got {cfg.sites!r}")
-            for site, fmt in cfg.sites.items():
-                if site not in SITES:
-                    raise ValueError(f"attention.sites: unknown site {site!r}; sites: {list(SITES)}")
-                try:
-                    if fmt != "input":
-                        get_format(fmt)
-                except ValueError:
-                    raise ValueError(f"attention.sites.{site}: expected 'input' or a format name like 'fp32', "
-                                     f"got {fmt!r}") from None
-            policy = policy.with_sites(**cfg.sites)
-        if cfg.pv_fp32:
-            policy = policy.with_pv_fp32()
-        if cfg.o_fp32:
-            policy = policy.with_o_fp32()
-        for which in ("forward", "backward"):
-            other = getattr(cfg, f"{which}_precision")
-            if other:
-                policy = policy.with_pass_of(which, preset(f"{which}_precision", other))
-        if cfg.rounding != "nearest" or cfg.rounding_sites:
-            if cfg.rounding not in ROUNDING_MODES:
-                raise ValueError(f"attention.rounding: expected one of {ROUNDING_MODES}, got {cfg.rounding!r}")
-            unknown = sorted(set(cfg.rounding_sites) - set(SITES))
-            if unknown:
-                raise ValueError(f"attention.rounding_sites: unknown sites {unknown}; sites: {list(SITES)}")
-            policy = policy.with_rounding(cfg.rounding, cfg.rounding_sites)
-        head_policy = preset("head_precision", cfg.head_precision)
-        if cfg.heads:
-            policy = policy.with_heads(set(cfg.heads), head_policy)
-        return policy
 
     def describe(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "head_override"}

@@ -119,19 +119,6 @@ STABILIZERS = ("none", "sfa", "sfa-official", "sfa-unbounded", "clamp")
 `ClampPbar()`."""
 
 
-def from_config(cfg) -> SFA | ClampPbar | None:
-    """The stabilizer an attention config names (`stabilize`, with `sfa_beta` and `sfa_eps`)."""
-    if cfg.stabilize not in STABILIZERS:
-        raise ValueError(f"attention.stabilize: expected one of {'|'.join(STABILIZERS)}, got {cfg.stabilize!r}")
-    return {
-        "none": lambda: None,
-        "sfa": lambda: SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
-        "sfa-official": lambda: SFA.official(beta=cfg.sfa_beta, eps=cfg.sfa_eps),
-        "sfa-unbounded": lambda: SFA(beta=cfg.sfa_beta, eps=cfg.sfa_eps, bounded=False),
-        "clamp": lambda: ClampPbar(eps=cfg.sfa_eps),
-    }[cfg.stabilize]()
-
-
 def key_of(stabilize) -> str | None:
     """A stabilizer as a string (`from_key` inverts it), for the places torch.compile needs a constant."""
     if stabilize is None:

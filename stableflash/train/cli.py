@@ -21,9 +21,14 @@ def add_train_arguments(parser) -> None:
 
 
 def train_command(args) -> int:
+    import torch
+
     from stableflash.train.loop import train
 
     if args.resume:
+        given = [name for name, value in (("--out", args.out), ("--config", args.config)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)}: a resumed run keeps its folder and config (change keys with --set)")
         run_dir = Path(args.resume)
         if not (run_dir / "config.toml").exists():
             raise FileNotFoundError(f"--resume: {run_dir} has no config.toml")
@@ -35,7 +40,14 @@ def train_command(args) -> int:
             raise ValueError("--config: a TOML file or preset name is required")
         run_dir = Path(args.out)
         cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay, overwrite=args.overwrite)
+    try:
+        summary = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay, overwrite=args.overwrite)
+    except RuntimeError as error:  # torch.OutOfMemoryError, or the CPU allocator's: one line, what to change
+        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+            raise
+        raise MemoryError(f"out of memory on {cfg.run.device} for a model of {cfg.model.n_layer} layers of width "
+                          f"{cfg.model.n_embd} and batches of {cfg.data.batch_size} x {cfg.model.block_size}: make "
+                          "it smaller (model.n_layer, model.n_embd, data.batch_size)") from None
     # one write of one line: under torchrun every rank prints its summary into the same pipe
     sys.stdout.write(json.dumps(summary) + "\n")
     sys.stdout.flush()

@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 if TYPE_CHECKING:
+    from stableflash.attention.precision import Precision
     from stableflash.model.gpt import LayerAttention
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # package data: a wheel install has the presets
@@ -132,6 +133,77 @@ class AttentionConfig:
         for layer in self.layers:
             self.for_layer(int(layer))
 
+    def policy(self) -> Precision:
+        """The policy this config describes: a preset, its table of sites, then the knobs that change a part of it
+        whatever the table says (`pv_fp32`, `o_fp32`, one pass in another preset: the isolation's experiments on any
+        run), then the rounding mode and the per-head override. Validated here, once; a ValueError names the
+        config's field (`attention.precision`, `attention.sites.qk`, ...)."""
+        from stableflash.attention.precision import DELTA_FORMULAS, PRESETS, SITES
+        from stableflash.numerics.formats import get_format
+        from stableflash.numerics.rounding import ROUNDING_MODES
+
+        cfg = self
+
+        def preset(name: str, value: str) -> Precision:
+            if value not in PRESETS:
+                either = "'' or " if name.endswith("_precision") and name != "head_precision" else ""
+                raise ValueError(f"attention.{name}: expected {either}one of {sorted(PRESETS)}, got {value!r}")
+            return PRESETS[value]
+
+        policy = preset("precision", cfg.precision)
+        if not cfg.tiling:
+            policy = policy.tiling_off()
+        if cfg.delta != "do_o":
+            if cfg.delta not in DELTA_FORMULAS:
+                raise ValueError(f"attention.delta: expected one of {DELTA_FORMULAS}, got {cfg.delta!r}")
+            policy = policy.with_delta(cfg.delta)
+        if cfg.sites:
+            if not isinstance(cfg.sites, dict):
+                raise ValueError(f"attention.sites: expected a table of site = format, got {cfg.sites!r}")
+            for site, fmt in cfg.sites.items():
+                if site not in SITES:
+                    raise ValueError(f"attention.sites: unknown site {site!r}; sites: {list(SITES)}")
+                try:
+                    if fmt != "input":
+                        get_format(fmt)
+                except ValueError:
+                    raise ValueError(f"attention.sites.{site}: expected 'input' or a format name like 'fp32', "
+                                     f"got {fmt!r}") from None
+            policy = policy.with_sites(**cfg.sites)
+        if cfg.pv_fp32:
+            policy = policy.with_pv_fp32()
+        if cfg.o_fp32:
+            policy = policy.with_o_fp32()
+        for which in ("forward", "backward"):
+            other = getattr(cfg, f"{which}_precision")
+            if other:
+                policy = policy.with_pass_of(which, preset(f"{which}_precision", other))
+        if cfg.rounding != "nearest" or cfg.rounding_sites:
+            if cfg.rounding not in ROUNDING_MODES:
+                raise ValueError(f"attention.rounding: expected one of {ROUNDING_MODES}, got {cfg.rounding!r}")
+            unknown = sorted(set(cfg.rounding_sites) - set(SITES))
+            if unknown:
+                raise ValueError(f"attention.rounding_sites: unknown sites {unknown}; sites: {list(SITES)}")
+            policy = policy.with_rounding(cfg.rounding, cfg.rounding_sites)
+        head_policy = preset("head_precision", cfg.head_precision)
+        if cfg.heads:
+            policy = policy.with_heads(set(cfg.heads), head_policy)
+        return policy
+
+    def stabilizer(self):
+        """The stabilizer `stabilize` names (`stabilize.STABILIZERS`), with `sfa_beta` and `sfa_eps`."""
+        from stableflash.attention.stabilize import SFA, STABILIZERS, ClampPbar
+
+        if self.stabilize not in STABILIZERS:
+            raise ValueError(f"attention.stabilize: expected one of {'|'.join(STABILIZERS)}, got {self.stabilize!r}")
+        return {
+            "none": lambda: None,
+            "sfa": lambda: SFA(beta=self.sfa_beta, eps=self.sfa_eps),
+            "sfa-official": lambda: SFA.official(beta=self.sfa_beta, eps=self.sfa_eps),
+            "sfa-unbounded": lambda: SFA(beta=self.sfa_beta, eps=self.sfa_eps, bounded=False),
+            "clamp": lambda: ClampPbar(eps=self.sfa_eps),
+        }[self.stabilize]()
+
     def for_layer(self, layer: int) -> AttentionConfig:
         """This config with layer `layer`'s overrides applied (and no per-layer table); validated."""
         table = self.layers.get(str(layer), {})
@@ -139,12 +211,11 @@ class AttentionConfig:
 
     def layer_attention(self, layer: int | None) -> LayerAttention:
         """What layer `layer` (None: a layer without overrides) calls `flash_attention` with."""
-        from stableflash.attention import stabilize as stabilizers
-        from stableflash.attention.precision import PRESETS, Precision
+        from stableflash.attention.precision import PRESETS
         from stableflash.model.gpt import LayerAttention
 
         cfg = self if layer is None else self.for_layer(layer)
-        policy, stabilize = Precision.from_config(cfg), stabilizers.from_config(cfg)
+        policy, stabilize = cfg.policy(), cfg.stabilizer()
         if cfg.backend in ("sdpa", "math") and (stabilize is not None or policy != PRESETS["fa2"]):
             raise ValueError(f"attention: backend {cfg.backend!r} has fixed numerics; precision/stabilize/knobs need "
                              "backend 'reference', 'triton' or 'auto'")
@@ -284,6 +355,19 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        # what one section cannot check alone: the attention tables against the model's layers and heads
+        n_layer, n_head = self.model.n_layer, self.model.n_head
+        for layer, table in self.attention.layers.items():
+            if int(layer) >= n_layer:
+                raise ValueError(f"attention.layers.{layer}: the model has {n_layer} layers (0..{n_layer - 1})")
+            bad = [h for h in table.get("heads", ()) if h >= n_head]
+            if bad:
+                raise ValueError(f"attention.layers.{layer}.heads: {bad} outside the model's {n_head} heads")
+        bad = [h for h in self.attention.heads if h >= n_head]
+        if bad:
+            raise ValueError(f"attention.heads: {bad} outside the model's {n_head} heads (0..{n_head - 1})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -516,11 +516,29 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay
     """A run to its end; under torchrun the process group is torn down before returning. Left to interpreter exit,
     gloo's threads were destroyed unjoined and a rank aborted ("terminate called without an active exception"):
     11 of 25 two-process runs on a loaded 2-core machine, none of 25 with the group destroyed."""
+    run_dir = Path(run_dir)
+    existed = run_dir.exists()
     try:
         summary = Trainer(cfg, run_dir, resume=resume, replay=replay, overwrite=overwrite).run()
         if dist.is_initialized():
             dist.barrier()  # every rank past its last collective before any tears its group down
         return summary
+    except BaseException:
+        if not resume:
+            _remove_unstarted(run_dir, remove_folder=not existed)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _remove_unstarted(run_dir: Path, *, remove_folder: bool) -> None:
+    """After a new run failed before its first checkpoint: the files it wrote (and the folder, where it made it), so
+    that no half-made run is left to be mistaken for one. With a checkpoint nothing is removed."""
+    if (run_dir / "checkpoint.pt").exists() or not run_dir.is_dir():
+        return
+    for name in (*RUN_FILES, LOCK):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "tb", ignore_errors=True)
+    if remove_folder and not any(run_dir.iterdir()):
+        run_dir.rmdir()

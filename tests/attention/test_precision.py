@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from stableflash.attention.precision import PRESETS, Precision, resolve
+from stableflash.attention.precision import PRESETS, resolve
 from stableflash.attention.stabilize import SFA
 
 
@@ -26,15 +26,15 @@ def test_a_config_gives_the_policy_its_knobs_describe():
     from stableflash.train.config import AttentionConfig
 
     cfg = AttentionConfig(precision="paper", pv_fp32=True, delta="dp_p", sites={"qk": "fp32"}, heads=(1,))
-    policy = Precision.from_config(cfg)
+    policy = cfg.policy()
     assert policy.name == "paper+delta=dp_p+qk=fp32+pv32+heads[1]"
     assert (policy.pv, policy.delta_formula, policy.qk, policy.head_override[0]) == ("fp32", "dp_p", "fp32", (1,))
-    assert Precision.from_config(AttentionConfig()) is PRESETS["fa2"]
+    assert AttentionConfig().policy() is PRESETS["fa2"]
     # the knobs change their part whatever the table says: an isolation experiment on a run with a narrowed P̄V
     narrowed = {site: "e8m4" for site in ("pbar_operand", "pv", "acc_scaled", "acc")}
-    pv32 = Precision.from_config(AttentionConfig(precision="paper", sites=narrowed, pv_fp32=True))
+    pv32 = AttentionConfig(precision="paper", sites=narrowed, pv_fp32=True).policy()
     assert (pv32.pbar_operand, pv32.pv, pv32.acc_scaled, pv32.acc) == ("e8m4", "fp32", "fp32", "fp32")
-    forward = Precision.from_config(AttentionConfig(precision="paper", sites=narrowed, forward_precision="fp32"))
+    forward = AttentionConfig(precision="paper", sites=narrowed, forward_precision="fp32").policy()
     assert forward.pv == "fp32" and forward.pbar_operand == "fp32"
     with pytest.raises(ValueError, match=r"attention.sites.qk: expected 'input' or a format name"):
         AttentionConfig(sites={"qk": "fp31"})

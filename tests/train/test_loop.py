@@ -316,3 +316,34 @@ def test_torchrun_monitor_action_switches_the_layer_on_every_rank(tmp_path, data
     assert summaries[0]["attention"] == summaries[1]["attention"]
     assert all("fp32" in a for a in summaries[0]["attention"]), summaries[0]["attention"]
     assert any(e.get("action") == "fp32" for e in read_jsonl(run / "events.jsonl"))
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_folder(tmp_path, tiny):
+    """An error found at step 0 (here: a vocabulary smaller than the data's) removes what the run had written; a
+    folder that was there before is kept, empty of run files."""
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        train(tiny("model.vocab_size=10"), tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        train(tiny("model.vocab_size=10"), tmp_path / "mine")
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
+
+
+def test_overrides_that_cannot_apply_and_resume_with_out_are_errors(tmp_path, tiny, capsys, monkeypatch):
+    from stableflash.cli import main
+
+    with pytest.raises(ValueError, match=r"attention.layers.5: the model has 2 layers"):
+        tiny("attention.layers.5.precision=paper")
+    with pytest.raises(ValueError, match=r"attention.heads: \[7\] outside the model's"):
+        tiny("attention.heads=[7]")
+    assert main(["train", "--resume", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert "--out: a resumed run keeps its folder and config" in capsys.readouterr().err
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setattr("stableflash.train.loop.train", out_of_memory)
+    assert main(["train", "--config", "tiny-cpu", "--out", str(tmp_path / "big"), "--set", "run.progress=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "out of memory on cpu for a model of 2 layers" in err
