@@ -30,7 +30,7 @@ def _train(args) -> int:
 
 
 def _prepare(args) -> int:
-    from stableflash.train.data import prepare_command
+    from stableflash.train.prepare import prepare_command
 
     return prepare_command(args)
 
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     try:
         from stableflash.train.cli import add_train_arguments
-        from stableflash.train.data import add_prepare_arguments
+        from stableflash.train.prepare import add_prepare_arguments
     except ImportError as error:  # no PyTorch: the commands that need it say so when called
         for name in ("train", "prepare", "diagnose", "isolate", "report", "reproduce"):
             p = sub.add_parser(name, help=f"(needs PyTorch: {error.name or error})", add_help=False)

@@ -1,6 +1,7 @@
 """A non-editable install works from any folder: the presets and the embedded corpus are package data."""
 
 import json
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,11 @@ def test_a_wheel_install_trains_from_another_folder(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
+    # the test's own packages (torch among them) seen from the new venv, also when the test runs inside a venv:
+    # --system-site-packages would give the base interpreter's only
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(ROOT)],
                              capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]

@@ -112,7 +112,11 @@ def documents(root: Path, patterns: Iterable[str], min_chars: int = 200) -> Iter
 
 def train_tokenizer(docs: list[str], vocab_size: int):
     """A byte-level BPE vocabulary with `EOT` as its one special token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise ImportError("prepare --dataset debian-docs: needs the `tokenizers` package; install the data extra: "
+                          "pip install 'stableflash[data]'") from None
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -154,10 +158,12 @@ def _apt_download(package: str, into: Path) -> Path:
 def prepare_debian_docs(out_dir: Path, packages: dict[str, tuple[str, ...]] = DEBIAN_DOCS,
                         vocab_size: int = 8192) -> dict:
     """Download the packages, take their prose and prepare it (see the module docstring)."""
+    from tqdm import tqdm
+
     docs, sources, licenses = [], {}, {}
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        for package, patterns in packages.items():
+        for package, patterns in tqdm(packages.items(), desc="debian-docs: download, extract", unit="package"):
             root = work / package
             root.mkdir()
             subprocess.run(["dpkg-deb", "-x", str(_apt_download(package, work)), str(root)], check=True)
@@ -166,6 +172,8 @@ def prepare_debian_docs(out_dir: Path, packages: dict[str, tuple[str, ...]] = DE
             docs += found
             copyright_file = next(iter(sorted(root.glob("usr/share/doc/*/copyright"))), None)
             licenses[package] = copyright_file.read_text(errors="replace")[:2000] if copyright_file else None
+    print(f"debian-docs: {len(docs)} documents; training the BPE vocabulary and tokenizing (about a minute)",
+          flush=True)
     meta = prepare_corpus(docs, out_dir, vocab_size=vocab_size, name="debian-docs",
                           meta={"sources": sources, "packages": list(packages)})
     (out_dir / "licenses.json").write_text(json.dumps(licenses, indent=1))

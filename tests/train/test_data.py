@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from stableflash.train.data import TokenData, batch_offsets, gather, prepare_documents
+from stableflash.train.data import TokenData, batch_offsets, gather
+from stableflash.train.prepare import prepare_documents
 
 
 def test_document_pipeline_on_a_local_stand_in(tmp_path):
