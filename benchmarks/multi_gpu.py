@@ -32,7 +32,7 @@ from common import commit  # benchmarks/common.py: the script's own folder is on
 
 from stableflash.train.checkpoint import load_checkpoint
 from stableflash.train.data import ensure_embedded
-from stableflash.train.demo import read_jsonl
+from stableflash.train.records import read_jsonl
 
 QUIET = ["run.progress=false", "run.eval_interval=0"]
 GPT2S = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024", "model.vocab_size=50304",

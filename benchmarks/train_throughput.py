@@ -28,8 +28,8 @@ from common import run_meta  # benchmarks/common.py: the script's own folder is 
 
 from stableflash.train.config import load_config
 from stableflash.train.data import ensure_embedded
-from stableflash.train.demo import read_jsonl
 from stableflash.train.loop import Trainer, train
+from stableflash.train.records import read_jsonl
 
 SETTINGS = {
     "sdpa": ["attention.backend=sdpa", "attention.precision=fa2"],

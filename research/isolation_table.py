@@ -17,7 +17,7 @@ from pathlib import Path
 
 from stableflash.diagnose.isolate import EXPERIMENTS, summarise
 from stableflash.diagnose.spectral import spectral_history
-from stableflash.train.demo import read_jsonl
+from stableflash.train.records import read_jsonl
 
 
 def _rounded(nested):

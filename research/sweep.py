@@ -20,13 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+from stableflash.diagnose.pool import run_all
 from stableflash.diagnose.spectral import spectral_history
 from stableflash.diagnose.warnings import gradient_explosions
 from stableflash.train.config import load_config
 from stableflash.train.data import ensure_embedded
-from stableflash.train.demo import read_jsonl
 from stableflash.train.loop import train
-from stableflash.train.pool import run_all
+from stableflash.train.records import read_jsonl
 
 # The analysed attention and its controls run in the fused kernels' emulation (`triton`); `fp32` runs on
 # the reference in one tile, as sweeps 01-07 ran it (the kernels' fp32-operand path was verified on a GPU only

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from stableflash.diagnose.delta import DeltaTrace  # noqa: E402
 from stableflash.diagnose.pv_trace import PVTrace  # noqa: E402
 from stableflash.diagnose.spectral import SpectralHistory  # noqa: E402
-from stableflash.train.demo import read_jsonl  # noqa: E402
+from stableflash.train.records import read_jsonl  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:

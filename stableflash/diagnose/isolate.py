@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
+from stableflash.diagnose.pool import run_all
 from stableflash.diagnose.record import Record
 from stableflash.diagnose.spectral import spectral_history
 from stableflash.diagnose.warnings import blowup_step, gradient_explosions, warmup_of
 from stableflash.train.checkpoint import save_checkpoint
 from stableflash.train.config import load_config
-from stableflash.train.demo import read_jsonl
-from stableflash.train.pool import run_all
+from stableflash.train.records import read_jsonl
 
 # name -> (what it changes, override builder taking (base precision, layer, heads))
 EXPERIMENTS = {

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stableflash.diagnose.record import Record
-from stableflash.train.demo import read_jsonl
+from stableflash.train.records import read_jsonl
 
 
 @dataclass

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from stableflash.diagnose.record import Record
 from stableflash.train.config import MonitorConfig, load_config
-from stableflash.train.demo import read_jsonl
 from stableflash.train.monitor import HeadCount, Monitor
+from stableflash.train.records import read_jsonl
 
 
 @dataclass

@@ -14,8 +14,8 @@ import torch
 
 from stableflash.cli import main
 from stableflash.train.checkpoint import load_checkpoint, save_checkpoint
-from stableflash.train.demo import read_jsonl
 from stableflash.train.loop import train
+from stableflash.train.records import read_jsonl
 
 _STDERR_TAIL = 8000  # torchrun prints its summary last: the failing rank's own message comes before it
 

@@ -67,8 +67,8 @@ def test_logit_growth_warning(tmp_path):
 
 
 def test_a_non_finite_gradient_skips_the_update(tiny, tmp_path):
-    from stableflash.train.demo import read_jsonl
     from stableflash.train.loop import Trainer
+    from stableflash.train.records import read_jsonl
 
     trainer = Trainer(tiny("run.max_steps=3", "run.eval_interval=0"), tmp_path)
     weight = trainer.model.transformer.wte.weight
@@ -97,8 +97,8 @@ def test_scores_resolution_warning_once_per_head(tmp_path):
 
 
 def test_a_resolution_warning_can_switch_the_layer_to_fp32(tiny, tmp_path):
-    from stableflash.train.demo import read_jsonl
     from stableflash.train.loop import train
+    from stableflash.train.records import read_jsonl
 
     # a threshold every score passes: the rule fires at the first monitored step (logged as step 1), and not
     # at step 3, when the switched layers keep their scores in fp32

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from stableflash.cli import main
-from stableflash.train.demo import read_jsonl
 from stableflash.train.loop import claim_run_folder, train
+from stableflash.train.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from stableflash.train.pool import run_all
+from stableflash.diagnose.pool import run_all
 
 
 def test_every_task_comes_back_under_its_index():

@@ -1,4 +1,4 @@
-from stableflash.train.demo import train_demo
+from stableflash.demo import train_demo
 
 
 def test_demo_training_writes_report_with_figures(tmp_path):
