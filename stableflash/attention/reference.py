@@ -12,7 +12,7 @@ binary ops round to the promoted dtype of their operands, exactly as torch's
 type promotion would; values written into a buffer round to the buffer's site
 format. Autocast is switched off inside: it would run the matmuls in bf16 whatever
 the policy says, and a forward whose log-sum-exp came from bf16 scores would not
-match the backward's recomputed ones (gradient errors of ~4% under the `fp32` policy).
+match the backward's recomputed ones (gradient errors far above the `fp32` policy's own).
 
 Numerical edge cases:
 - masked keys (causal, a window, padding) and -inf scores give P = 0; a row whose scores are all -inf

@@ -513,9 +513,9 @@ class Trainer:
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None,
           overwrite: bool = False) -> dict:
-    """A run to its end; under torchrun the process group is torn down before returning. Left to interpreter exit,
-    gloo's threads were destroyed unjoined and a rank aborted ("terminate called without an active exception"):
-    11 of 25 two-process runs on a loaded 2-core machine, none of 25 with the group destroyed."""
+    """A run to its end; under torchrun the process group is torn down before returning (left to interpreter exit,
+    gloo's threads can be destroyed unjoined and abort a rank). A new run that fails before its first checkpoint
+    leaves no run files behind."""
     run_dir = Path(run_dir)
     existed = run_dir.exists()
     try:

@@ -313,12 +313,8 @@ class Choice(NamedTuple):
     min_seq_len: int
 
 
-# By head dim and whether the softmax does SFA's or the statistics' work; None keeps the Triton forward. Forward
-# TFLOP/s from a CUDA graph, causal bf16, against our Triton forward in the same run (the Gluon forward study's
-# sweeps, results/kernel-variants/) at T = 4096: D = 128 pingpong 1.07x plain, 1.14x with SFA +
-# statistics; D = 64 FA3's order on 8 warps 1.05x plain, 0.94x with SFA + statistics. Across two benchmark runs
-# (cuDNN within 2% in both): +16% plain at (1,16,16384,128), but -14% at (16,12,1024,64).
-# Below 4096 no same-run comparison exists, so the Triton forward stays there.
+# By head dim and whether the softmax does SFA's or the statistics' work; None keeps the Triton forward. Each choice
+# and its shortest T come from same-run comparisons against the Triton forward (results/kernel-variants/).
 FORWARD_TILES: dict[tuple[int, bool], Choice | None] = {
     (64, False): Choice(Tile(128, 64, 4, 8, heavy_first=True), 4096),
     (64, True): None,

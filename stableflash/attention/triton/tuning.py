@@ -19,7 +19,8 @@ from stableflash.attention.triton import native
 from stableflash.attention.triton.spec import INTERPRET, PHYSICAL_TILE
 
 TMA_MIN_HEAD_DIM = 128
-"""On an H200 TMA gained 2-5% on 8-warp tiles at D = 128 and lost 1-10% everywhere at D = 64."""
+"""The head dims from which TMA loads are among the candidates: faster there, slower at D = 64
+(results/kernel-variants/)."""
 
 
 def config(block_m: int, block_n: int, warps: int, stages: int, **extra) -> triton.Config:
