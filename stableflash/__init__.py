@@ -8,7 +8,11 @@ __version__ = "0.1.0"
 _EXPORTS = {"SFA": "stableflash.attention", "AttentionStats": "stableflash.attention",
             "ClampPbar": "stableflash.attention", "Precision": "stableflash.attention",
             "flash_attention": "stableflash.attention", "flash_attn_func": "stableflash.attention",
-            "flash_attn_varlen_func": "stableflash.attention", "explain_add": "stableflash.numerics",
+            "flash_attn_varlen_func": "stableflash.attention", "flash_attn_qkvpacked_func": "stableflash.attention",
+            "flash_attn_kvpacked_func": "stableflash.attention", "flash_attn_varlen_qkvpacked_func": "stableflash.attention",
+            "flash_attn_varlen_kvpacked_func": "stableflash.attention", "flash_attn_with_kvcache": "stableflash.attention",
+            "sdpa": "stableflash.attention",
+            "route_sdpa": "stableflash.attention", "explain_add": "stableflash.numerics",
             "watch": "stableflash.integrations.watch"}
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from stableflash.attention import stabilize as stabilizers
-from stableflash.attention.mask import Visibility
+from stableflash.attention.mask import ScoreMods, Visibility
 from stableflash.attention.precision import Precision, resolve
 from stableflash.attention.reference import reference_attention
 from stableflash.attention.stabilize import check_stabilize
@@ -21,6 +21,7 @@ from stableflash.numerics.formats import get_format
 BACKENDS = ("auto", "reference", "triton", "math", "sdpa")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+_TORCH_SDPA = F.scaled_dot_product_attention  # torch's own, also where `sdpa.route_sdpa` has replaced it
 
 
 def _check_inputs(q, k, v):
@@ -66,16 +67,19 @@ def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _math_attention(q, k, v, scale, vis: Visibility, stats):
-    """Plain softmax attention in the inputs' dtype (fully materialised scores)."""
+def _math_attention(q, k, v, scale, vis: Visibility, stats, mods: ScoreMods | None = None):
+    """Plain softmax attention in the inputs' dtype (fully materialised scores): (O, lse (B, H, Tq) fp32)."""
     s = (q @ k.transpose(-1, -2)) * scale
+    if mods is not None and mods.softcap > 0:
+        s = mods.softcap * torch.tanh(s / mods.softcap)
+    if mods is not None and mods.bias is not None:
+        s = s + mods.bias.to(s.dtype)
     hidden = vis.hidden(0, q.shape[-2], 0, k.shape[-2], q.device)
     if hidden is not None:
         s = s.masked_fill(hidden, -math.inf)
     if stats is not None:
         rm = s.amax(-1, keepdim=True)
         repeated = (((rm - s) <= stats.eps) & torch.isfinite(s)).sum(-1) > 1
-        p = torch.softmax(s, dim=-1)
         B, H, T, _ = q.shape
         finite = torch.where(torch.isfinite(s), s, -math.inf)
         pbar = torch.exp(s - torch.where(torch.isneginf(rm), 0.0, rm))
@@ -87,11 +91,11 @@ def _math_attention(q, k, v, scale, vis: Visibility, stats):
                   max_score=finite.float().amax(dim=(0, 2, 3)),
                   repeated_max_rows_positive=(repeated & (rm.squeeze(-1) > 0)).sum(dim=(0, 2)),
                   biasable_rows=biasable.sum(dim=(0, 2)))
-    else:
-        p = torch.softmax(s, dim=-1)
-    # rows with no finite score (all -inf) give 0, as the reference does, not NaN
-    p = torch.nan_to_num(p, nan=0.0) if torch.isneginf(s).all(-1).any() else p
-    return p @ v
+    lse = torch.logsumexp(s.float(), dim=-1)
+    p = torch.softmax(s, dim=-1)
+    # rows with no visible key (every score -inf) give 0, as the reference does, not NaN
+    p = torch.where(torch.isneginf(s).all(-1, keepdim=True), 0.0, p)
+    return p @ v, lse.detach()
 
 
 def triton_available(q: torch.Tensor) -> bool:
@@ -115,35 +119,45 @@ def flash_attention(
     stats: AttentionStats | None = None,
     window: tuple[int, int] | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    return_lse: bool = False,
     layout: str = "bhtd",
-) -> torch.Tensor:
+):
     """Scaled dot-product attention with controllable numerics.
 
     Args:
         q, k, v: q (B, H, Tq, D), k and v (B, H_kv, Tk, D) of one floating dtype and device; H_kv dividing H is
             grouped-query (or multi-query) attention. `layout="bthd"` takes (B, T, H, D) instead, and returns it.
-        causal: mask keys after each query, aligned to the bottom right when Tk != Tq (as flash-attn).
+        causal: mask keys after each query, aligned to the bottom right when Tk != Tq (as flash-attn). Default
+            True here; `stableflash.sdpa` and the flash-attn calls keep their libraries' default, False.
         window: (left, right) as flash-attn's `window_size`: query i sees keys i + Tk - Tq - left ... + right
             (-1: unbounded).
         key_padding_mask: (B, Tk) bool, True where the key is real.
+        attn_mask: SDPA's mask, broadcastable to (B, H, Tq, Tk): bool (True: the query sees the key), or float,
+            added to the scaled scores (-inf hides a key). Combined with `causal`, `window` and the padding.
+        softcap: > 0 caps the scaled scores as softcap · tanh(S / softcap) before masks and `attn_mask`'s bias.
         scale: score scale; default 1/sqrt(D).
-        stabilize: None, `SFA(beta, eps)` (stabilized flash attention) or `ClampPbar()`.
+        stabilize: None, `SFA(beta, eps)` (stabilized flash attention), `SFA.official()` or `ClampPbar()`.
         precision: a `Precision` or a preset name: "fa2" (default, production
             FlashAttention-2 rounding), "bf16", "paper", "fp32", "fp64".
         backend: "reference" (tiled PyTorch, every rounding per `precision`),
             "triton" (fused GPU kernel), "math" (plain softmax attention in the
             inputs' dtype), "sdpa" (torch's scaled_dot_product_attention), or
-            "auto": the Triton kernel where it supports the arguments, else the reference.
+            "auto": the Triton kernel where it supports the arguments; else, for a call with `attn_mask` under `fa2`
+            without SFA, statistics or `return_lse`, SDPA (fast, dense masks); else the reference.
         stats: an `AttentionStats` to add this call's per-head counters to.
+        return_lse: also return each row's log-sum-exp of the (modified) scores, (B, H, Tq), natural log, fp32 (fp64
+            under fp64 numerics), -inf for a row that sees no key (not differentiable; "sdpa" cannot give it).
 
     Returns:
         O, shaped like q, in the dtype of the policy's `out` site ("math" and
-        "sdpa": the inputs' dtype). Differentiable with respect to q, k, v.
+        "sdpa": the inputs' dtype); with `return_lse`, (O, lse). Differentiable with respect to q, k, v.
         Rows that see no key give O = 0 and zero gradients.
 
     GQA runs in the fused kernels too (k and v are read per group, not repeated); so do Tk != Tq, windows and key
     padding, under every policy the kernels run but a per-head override (there "auto" takes the reference and
-    "triton" refuses them).
+    "triton" refuses them). `attn_mask` and `softcap` run in the reference, "math" and (masks) "sdpa".
     """
     if layout not in ("bhtd", "bthd"):
         raise ValueError(f"layout: expected 'bhtd' (B, H, T, D) or 'bthd' (B, T, H, D), got {layout!r}")
@@ -151,10 +165,11 @@ def flash_attention(
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name}: expected a rank-4 (B, T, H, D) tensor")
-        out = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=scale,
-                              stabilize=stabilize, precision=precision, backend=backend, stats=stats, window=window,
-                              key_padding_mask=key_padding_mask)
-        return out.transpose(1, 2)
+        result = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                                 scale=scale, stabilize=stabilize, precision=precision, backend=backend, stats=stats,
+                                 window=window, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                 softcap=softcap, return_lse=return_lse)
+        return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)
     _check_inputs(q, k, v)
     _check_mask_arguments(window, key_padding_mask, q, k)
     if backend not in BACKENDS:
@@ -168,24 +183,33 @@ def flash_attention(
         scale = 1.0 / math.sqrt(D)
     elif not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
+    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: expected a finite number >= 0 (0: no cap), got {softcap!r}")
+    dense, bias = _split_attn_mask(attn_mask, q, k)
     if stats is not None:
         if not isinstance(stats, AttentionStats):
             raise TypeError(f"stats: expected an AttentionStats, got {type(stats).__name__}")
         stats.check(q.shape[1])
 
-    masked = (k.shape[-2] != q.shape[-2] or key_padding_mask is not None
+    shaped = dense is not None or bias is not None or softcap > 0  # what only the reference, math and sdpa take
+    masked = (k.shape[-2] != q.shape[-2] or key_padding_mask is not None or dense is not None
               or (window is not None and tuple(window) != (-1, -1)))
     grouped = k.shape[1] != q.shape[1]
     # the fused kernels take grouped-query attention as such (no repeated k and v) and masks (Tk != Tq, windows, key
     # padding) in their masked form, one policy for every head
     policy_key, stabilize_key = policy.key, stabilizers.key_of(stabilize)
-    kernels_take = not (grouped and policy.head_override is not None) and (
+    kernels_take = not shaped and not (grouped and policy.head_override is not None) and (
         not masked or (triton_available(q) and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1], True)))
     if backend == "auto":
         backend = "reference"
         if kernels_take and triton_available(q) and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1],
                                                                   False):
             backend = "triton"
+        elif (q.is_cuda and attn_mask is not None and softcap == 0 and policy == resolve("fa2") and stabilize is None
+              and stats is None and not return_lse):
+            backend = "sdpa"
+    if backend == "triton" and shaped:
+        raise ValueError("backend: 'triton' takes no attn_mask or softcap; use backend='reference' or 'auto'")
     if backend == "triton" and not kernels_take and q.is_cuda:
         raise ValueError("backend: 'triton' runs Tk != Tq, windows, key padding and GQA only without a per-head "
                          "policy override; use backend='reference' or 'auto' (which takes the reference for them)")
@@ -193,31 +217,73 @@ def flash_attention(
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     # the backends other than the kernels take a masked call's mask as a description (the kernels: `band_of`)
     vis = Visibility(q.shape[-2], k.shape[-2], causal=causal, window=tuple(window or (-1, -1)),
-                     key_padding=key_padding_mask) if masked and backend != "triton" else None
+                     key_padding=key_padding_mask, dense=dense) if masked and backend != "triton" else None
+    mods = ScoreMods(float(softcap), bias) if softcap > 0 or bias is not None else None
     if backend in ("math", "sdpa"):
         if stabilize is not None:
             raise ValueError(f"stabilize: backend {backend!r} computes plain softmax; use backend='reference' or 'triton'")
         if policy != resolve("fa2"):
             raise ValueError(f"precision: backend {backend!r} has fixed numerics; use backend='reference' or 'triton'")
+        vis = vis or Visibility(q.shape[-2], k.shape[-2], causal=causal)
         if backend == "math":
-            return _math_attention(q, k, v, scale, vis or Visibility(q.shape[-2], k.shape[-2], causal=causal), stats)
-        if stats is not None:
-            raise ValueError("stats: backend 'sdpa' cannot count; use 'math', 'reference' or 'triton'")
-        if masked:
-            hidden = vis.hidden(0, q.shape[-2], 0, k.shape[-2], q.device)
-            if hidden is not None and hidden.all(-1).any():
-                raise ValueError("backend: 'sdpa' gives NaN where a query sees no key; use 'reference' or 'math'")
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=None if hidden is None else ~hidden, scale=scale)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            out, lse = _math_attention(q, k, v, scale, vis, stats, mods)
+            return (out, lse) if return_lse else out
+        if stats is not None or return_lse or softcap > 0:
+            raise ValueError("stats, return_lse, softcap: backend 'sdpa' gives none of them; use 'math', 'reference' "
+                             "or 'triton'")
+        return _sdpa(q, k, v, scale, vis, bias)
     if backend == "triton":
         if not q.is_cuda or not _HAS_TRITON:
             raise ValueError("backend: 'triton' needs CUDA tensors and the triton package; "
                              "use backend='reference' or 'auto'")
         from stableflash.attention import triton as triton_backend
-        return triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy, stabilize=stabilize,
-                                        stats=stats, window=tuple(window or (-1, -1)), key_padding=key_padding_mask)
-    return reference_attention(q, k, v, scale=scale, causal=vis or causal, policy=policy,
-                               stabilize=stabilize, stats=stats)
+        out, lse = triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy, stabilize=stabilize,
+                                            stats=stats, window=tuple(window or (-1, -1)),
+                                            key_padding=key_padding_mask, return_lse=True)
+        return (out, lse) if return_lse else out
+    out, lse = reference_attention(q, k, v, scale=scale, causal=vis or causal, policy=policy, stabilize=stabilize,
+                                   stats=stats, mods=mods)
+    return (out, lse) if return_lse else out
+
+
+def _split_attn_mask(attn_mask, q, k):
+    """SDPA's `attn_mask` as (dense visibility, bias): a bool mask is which keys each query sees, a float one a bias
+    added to the scores; each broadcast to 4 dims (B or 1, H or 1, Tq, Tk)."""
+    if attn_mask is None:
+        return None, None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask: expected a tensor, got {type(attn_mask).__name__}")
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        torch.broadcast_shapes(attn_mask.shape, shape)
+    except RuntimeError:
+        raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Tq, Tk) = "
+                         f"{shape}") from None
+    mask = attn_mask.to(q.device)
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.dtype == torch.bool:
+        return mask, None
+    if not mask.is_floating_point():
+        raise TypeError(f"attn_mask: expected a bool or floating tensor, got {mask.dtype}")
+    return None, mask
+
+
+def _sdpa(q, k, v, scale, vis: Visibility, bias):
+    """torch's SDPA with our masks as one dense mask (its own `is_causal` where causality is the only one)."""
+    only_causal = (vis.causal and vis.q_len == vis.k_len and vis.window == (-1, -1) and vis.key_padding is None
+                   and vis.dense is None and bias is None)
+    if only_causal or not (vis.banded or vis.key_padding is not None or vis.dense is not None or bias is not None):
+        return _TORCH_SDPA(q, k, v, is_causal=only_causal, scale=scale)
+    hidden = vis.hidden(0, q.shape[-2], 0, k.shape[-2], q.device)
+    mask = None
+    if hidden is not None:
+        if hidden.all(-1).any():
+            raise ValueError("backend: 'sdpa' gives NaN where a query sees no key; use 'reference' or 'math'")
+        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, -math.inf)
+    if bias is not None:
+        mask = bias.to(q.dtype) if mask is None else mask + bias.to(q.dtype)
+    return _TORCH_SDPA(q, k, v, attn_mask=mask, scale=scale)
 
 
 @torch.compiler.assume_constant_result

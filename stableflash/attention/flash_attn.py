@@ -1,9 +1,17 @@
 """flash-attn's calling convention over `flash_attention`: swap one import, keep the code.
 
-`flash_attn_func` takes (B, T, H, D) tensors and `flash_attn_varlen_func` packed (total, H, D) ones with cumulative
-sequence lengths, with flash-attn's argument names and defaults (`causal=False`, `window_size=(-1, -1)`), plus this
-library's `precision=`, `stabilize=`, `stats=` and `backend=`. What flash-attn has and this does not (dropout,
-ALiBi, softcapping, the attention probabilities) is refused by name, never ignored.
+The functions of `flash_attn` (2.x) with its argument names and defaults (`causal=False`, `window_size=(-1, -1)`),
+plus this library's `precision=`, `stabilize=`, `stats=` and `backend=`: `flash_attn_func` on (B, T, H, D),
+`flash_attn_qkvpacked_func` and `flash_attn_kvpacked_func` on packed q/k/v, the `varlen` forms on sequences packed
+along the tokens with cumulative lengths, and `flash_attn_with_kvcache` for decoding.
+
+- `return_attn_probs=True` returns (out, softmax_lse, None): the log-sum-exp of each row's scores, (B, H, Tq) fp32
+  ((H, total_q) in the varlen forms), as flash-attn's second output; the third, the attention probabilities
+  flash-attn returns for testing with dropout, is never materialised here.
+- `softcap` > 0 caps the scaled scores (Gemma 2's); it runs in the reference (and "math") backends.
+- `deterministic` is accepted: every backward here is deterministic already (no atomics: each key tile's dK and dV,
+  and each query tile's dQ, are summed by one program in a fixed order).
+- Dropout and ALiBi are refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -15,26 +23,61 @@ from stableflash.attention.precision import resolve
 from stableflash.attention.stabilize import check_stabilize
 
 
-def _refuse_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs) -> None:
+def _refuse_unsupported(dropout_p, alibi_slopes) -> None:
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: only 0.0 is supported, got {dropout_p!r}")
-    if softcap != 0.0:
-        raise ValueError(f"softcap: only 0.0 is supported, got {softcap!r}")
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: ALiBi is not supported; pass None")
-    if return_attn_probs:
-        raise ValueError("return_attn_probs: not supported (the probabilities are never materialised); pass False")
+
+
+def _window(window_size) -> tuple[int, int]:
+    """flash-attn's window as two ints (a list or a tensor of two is taken too)."""
+    values = window_size.tolist() if isinstance(window_size, torch.Tensor) else list(window_size)
+    if len(values) != 2:
+        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
+    return int(values[0]), int(values[1])
+
+
+def _with_lse(out, lse, return_attn_probs: bool):
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
-                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                    deterministic: bool = False, return_attn_probs: bool = False, *, precision="fa2",
-                    stabilize=None, stats=None, backend: str = "auto") -> torch.Tensor:
-    """Attention on (B, T, H, D) q and (B, Tk, H_kv, D) k, v; returns (B, T, H, D). `deterministic` is accepted:
-    every backend here is deterministic already."""
-    _refuse_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs)
-    return flash_attention(q, k, v, causal=causal, scale=softmax_scale, window=tuple(window_size), layout="bthd",
-                           precision=precision, stabilize=stabilize, stats=stats, backend=backend)
+                    window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                    return_attn_probs: bool = False, *, precision="fa2", stabilize=None, stats=None,
+                    backend: str = "auto"):
+    """Attention on (B, T, H, D) q and (B, Tk, H_kv, D) k, v; returns (B, T, H, D) (with `return_attn_probs`, also
+    the log-sum-exp (B, H, T))."""
+    _refuse_unsupported(dropout_p, alibi_slopes)
+    result = flash_attention(q, k, v, causal=causal, scale=softmax_scale, window=_window(window_size), layout="bthd",
+                             softcap=softcap, precision=precision, stabilize=stabilize, stats=stats, backend=backend,
+                             return_lse=return_attn_probs)
+    return _with_lse(*result, True) if return_attn_probs else result
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                              deterministic: bool = False, return_attn_probs: bool = False, **options):
+    """`flash_attn_func` on qkv (B, T, 3, H, D)."""
+    _check_rank("qkv", qkv, 5, "(B, T, 3, H, D)")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, **options)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                             window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                             deterministic: bool = False, return_attn_probs: bool = False, **options):
+    """`flash_attn_func` on q (B, T, H, D) and kv (B, Tk, 2, H_kv, D)."""
+    _check_rank("kv", kv, 5, "(B, Tk, 2, H_kv, D)")
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, **options)
+
+
+def _check_rank(name: str, t, rank: int, shape: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != rank:
+        raise ValueError(f"{name}: expected a rank-{rank} {shape} tensor")
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> list[int]:
@@ -49,37 +92,158 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> list[int]:
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                            dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
-                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                           deterministic: bool = False, return_attn_probs: bool = False, *, precision="fa2",
-                           stabilize=None, stats=None, backend: str = "auto") -> torch.Tensor:
+                           window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                           deterministic: bool = False, return_attn_probs: bool = False, block_table=None, *,
+                           precision="fa2", stabilize=None, stats=None, backend: str = "auto"):
     """Packed variable-length sequences: q (total_q, H, D), k and v (total_k, H_kv, D), sequence s being rows
     cu_seqlens_q[s]:cu_seqlens_q[s+1] of q (and likewise of k). Each sequence attends only to its own keys, causal
     aligned to its own bottom right. The batch runs in one call of the fused kernels where they take it (production
-    FA2 numerics); under other policies as one call per sequence."""
-    _refuse_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs)
+    FA2 numerics, no softcap); otherwise as one call per sequence. With `return_attn_probs` the log-sum-exp is
+    (H, total_q). `block_table` (paged k and v) is taken only as None here; `flash_attn_with_kvcache` takes pages."""
+    _refuse_unsupported(dropout_p, alibi_slopes)
+    if block_table is not None:
+        raise ValueError("block_table: paged keys and values are taken by flash_attn_with_kvcache; pass None here")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name}: expected a rank-3 (total, H, D) tensor")
+        _check_rank(name, t, 3, "(total, H, D)")
     qs = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     ks = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
     if len(qs) != len(ks):
         raise ValueError(f"cu_seqlens_k: {len(ks) - 1} sequences where cu_seqlens_q has {len(qs) - 1}")
     if max(b - a for a, b in zip(qs, qs[1:])) > max_seqlen_q or max(b - a for a, b in zip(ks, ks[1:])) > max_seqlen_k:
         raise ValueError("max_seqlen_q, max_seqlen_k: smaller than the longest sequence")
-    if backend in ("auto", "triton") and _kernels_take_packed(q, k, precision, stabilize):
-        return _packed_in_the_kernels(q, k, v, qs, ks, softmax_scale, causal, window_size, precision, stabilize,
-                                      stats)
-    outs = []  # elsewhere: one call per sequence
+    window = _window(window_size)
+    if backend in ("auto", "triton") and softcap == 0 and _kernels_take_packed(q, k, precision, stabilize):
+        out, lse = _packed_in_the_kernels(q, k, v, qs, ks, softmax_scale, causal, window, precision, stabilize,
+                                          stats)
+        return _with_lse(out, lse, return_attn_probs)
+    outs, lses = [], []  # elsewhere: one call per sequence
     for (q0, q1), (k0, k1) in zip(zip(qs, qs[1:]), zip(ks, ks[1:])):
         if q1 == q0:
             continue
         if k1 == k0:  # a sequence without keys: its queries see nothing
             outs.append(torch.zeros_like(q[q0:q1]))
+            lses.append(torch.full((q.shape[1], q1 - q0), float("-inf"), device=q.device))
             continue
-        outs.append(flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale,
-                                    causal=causal, window_size=window_size, precision=precision, stabilize=stabilize,
-                                    stats=stats, backend=backend)[0])
-    return torch.cat(outs) if outs else torch.zeros_like(q)
+        out, lse, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale,
+                                      causal=causal, window_size=window, softcap=softcap, return_attn_probs=True,
+                                      precision=precision, stabilize=stabilize, stats=stats, backend=backend)
+        outs.append(out[0])
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else torch.zeros_like(q)
+    lse = torch.cat(lses, dim=1) if lses else torch.full((q.shape[1], 0), float("-inf"), device=q.device)
+    return _with_lse(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
+                                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                                     return_attn_probs: bool = False, **options):
+    """`flash_attn_varlen_func` on qkv (total, 3, H, D), one set of sequence offsets for queries and keys."""
+    _check_rank("qkv", qkv, 4, "(total, 3, H, D)")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  **options)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                                    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                                    window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                                    deterministic: bool = False, return_attn_probs: bool = False, **options):
+    """`flash_attn_varlen_func` on q (total_q, H, D) and kv (total_k, 2, H_kv, D)."""
+    _check_rank("kv", kv, 4, "(total_k, 2, H_kv, D)")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, **options)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
+                            softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
+                            num_splits: int = 0, return_softmax_lse: bool = False, *, precision="fa2",
+                            stabilize=None, stats=None, backend: str = "auto"):
+    """Attention of q (B, Tq, H, D) against a key/value cache, as flash-attn's decoding call.
+
+    k_cache, v_cache: (B_cache, Tmax, H_kv, D), or with `block_table` (B, pages) pages of (num_pages, page_size,
+    H_kv, D). `cache_seqlens` (an int or (B,) ints; default: the whole cache) is how many keys each sequence holds;
+    new `k`, `v` (B, Tnew, H_kv, D) are written into the cache in place at those positions first, and then seen.
+    `cache_batch_idx` picks each sequence's cache row. Causal is aligned to each sequence's own last key. One call
+    of the attention where the sequences hold as many keys, or where one query each (decoding) or no causality
+    lets their lengths be key padding; else a call per sequence. Rotary embeddings and `cache_leftpad` are not
+    supported (pass None). Returns (B, Tq, H, D), with `return_softmax_lse` also the log-sum-exp (B, H, Tq)."""
+    _refuse_unsupported(0.0, alibi_slopes)
+    if rotary_cos is not None or rotary_sin is not None:
+        raise ValueError("rotary_cos, rotary_sin: rotary embeddings are not applied here; rotate q and k first")
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad: not supported; pass None")
+    _check_rank("q", q, 4, "(B, Tq, H, D)")
+    B, Tq = q.shape[:2]
+    rows = torch.arange(B, device=q.device) if cache_batch_idx is None else cache_batch_idx.to(q.device).long()
+    if block_table is None:
+        _check_rank("k_cache", k_cache, 4, "(B_cache, Tmax, H_kv, D)")
+        capacity = k_cache.shape[1]
+    else:
+        _check_rank("block_table", block_table, 2, "(B, pages)")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    lengths = _cache_lengths(cache_seqlens, B, capacity, q.device)
+    new = 0 if k is None else k.shape[1]
+    if (k is None) != (v is None):
+        raise ValueError("k, v: pass both new keys and values, or neither")
+    if k is not None:
+        if (lengths + new > capacity).any():
+            raise ValueError(f"k: {new} new keys do not fit the cache's {capacity} positions after {lengths.tolist()}")
+        _write_into_cache(k_cache, v_cache, k, v, rows, lengths, block_table)
+    seen = lengths + new
+    keys, values = _gathered_cache(k_cache, v_cache, rows, block_table, int(seen.max()))
+    common = dict(causal=causal, scale=softmax_scale, window=_window(window_size), layout="bthd", softcap=softcap,
+                  precision=precision, stabilize=stabilize, stats=stats, backend=backend, return_lse=True)
+    if bool((seen == seen[0]).all()):  # one length: one call, causal to the cache's end
+        out, lse = flash_attention(q, keys, values, **common)
+    elif (Tq == 1 or not causal) and common["window"] == (-1, -1):  # the lengths as key padding: one call
+        padding = torch.arange(keys.shape[1], device=q.device)[None, :] < seen[:, None]
+        out, lse = flash_attention(q, keys, values, key_padding_mask=padding, **common)
+    else:  # causal or windowed rows of several queries align to each sequence's own end: a call each
+        parts = [flash_attention(q[b:b + 1], keys[b:b + 1, :int(seen[b])], values[b:b + 1, :int(seen[b])], **common)
+                 for b in range(B)]
+        out, lse = torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+    return (out, lse) if return_softmax_lse else out
+
+
+def _cache_lengths(cache_seqlens, batch: int, capacity: int, device) -> torch.Tensor:
+    if cache_seqlens is None:
+        return torch.full((batch,), capacity, dtype=torch.long, device=device)
+    lengths = torch.as_tensor(cache_seqlens, device=device).long().reshape(-1).expand(batch)
+    if (lengths < 0).any() or (lengths > capacity).any():
+        raise ValueError(f"cache_seqlens: expected 0..{capacity}, got {lengths.tolist()}")
+    return lengths
+
+
+def _write_into_cache(k_cache, v_cache, k, v, rows, lengths, block_table) -> None:
+    """k, v (B, Tnew, H_kv, D) into each sequence's cache after its `lengths` keys, in place."""
+    for b in range(k.shape[0]):
+        positions = torch.arange(int(lengths[b]), int(lengths[b]) + k.shape[1], device=k.device)
+        if block_table is None:
+            k_cache[rows[b], positions] = k[b].to(k_cache.dtype)
+            v_cache[rows[b], positions] = v[b].to(v_cache.dtype)
+        else:
+            page_size = k_cache.shape[1]
+            pages = block_table[b].long()[positions // page_size]
+            k_cache[pages, positions % page_size] = k[b].to(k_cache.dtype)
+            v_cache[pages, positions % page_size] = v[b].to(v_cache.dtype)
+
+
+def _gathered_cache(k_cache, v_cache, rows, block_table, length: int):
+    """(B, length, H_kv, D) keys and values of the sequences' caches: views of the cache's rows where `rows` is every
+    row in order and no pages are given, else gathered."""
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        pages = block_table[:, :-(-length // page_size)].long()  # (B, pages)
+        return tuple(c[pages].flatten(1, 2)[:, :length] for c in (k_cache, v_cache))
+    if torch.equal(rows, torch.arange(k_cache.shape[0], device=rows.device)):
+        return k_cache[:, :length], v_cache[:, :length]
+    return k_cache[rows, :length], v_cache[rows, :length]
 
 
 def _kernels_take_packed(q, k, precision, stabilize) -> bool:
@@ -92,14 +256,16 @@ def _kernels_take_packed(q, k, precision, stabilize) -> bool:
     return kernels.supports_masks(resolve(precision), check_stabilize(stabilize), q.dtype, q.shape[-1], packed=True)
 
 
-def _packed_in_the_kernels(q, k, v, q_offsets, k_offsets, scale, causal, window_size, precision, stabilize, stats):
+def _packed_in_the_kernels(q, k, v, q_offsets, k_offsets, scale, causal, window, precision, stabilize, stats):
+    """(out (total_q, H, D), lse (H, total_q))."""
     from stableflash.attention import triton as kernels
     from stableflash.attention.triton.launch import packed_segments
 
     if stats is not None:
         stats.check(q.shape[1])
     heads = [t.transpose(0, 1)[None] for t in (q, k, v)]  # (1, H, total, D) views of the packed rows
-    out = kernels.attention(*heads, causal=causal, scale=scale if scale is not None else q.shape[-1] ** -0.5,
-                            policy=resolve(precision), stabilize=check_stabilize(stabilize), stats=stats,
-                            window=tuple(window_size), segments=packed_segments(q_offsets, k_offsets, q.device))
-    return out[0].transpose(0, 1)
+    out, lse = kernels.attention(*heads, causal=causal, scale=scale if scale is not None else q.shape[-1] ** -0.5,
+                                 policy=resolve(precision), stabilize=check_stabilize(stabilize), stats=stats,
+                                 window=window, segments=packed_segments(q_offsets, k_offsets, q.device),
+                                 return_lse=True)
+    return out[0].transpose(0, 1), lse[0]

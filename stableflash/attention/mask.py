@@ -20,6 +20,8 @@ class Visibility:
     window: tuple[int, int] = (-1, -1)
     key_padding: torch.Tensor | None = None
     """(B, Tk) bool, True where the key is real."""
+    dense: torch.Tensor | None = None
+    """(B or 1, H or 1, Tq, Tk) bool, True where the query sees the key: any pattern (SDPA's boolean attn_mask)."""
 
     @property
     def offset(self) -> int:
@@ -66,4 +68,19 @@ class Visibility:
             pad = ~self.key_padding[:, None, None, j0:j0 + cols].to(device)  # (B, 1, 1, cols)
             if pad.any():
                 mask = pad if mask is None else mask | pad
+        if self.dense is not None:
+            hidden = ~self.dense[..., i0:i0 + rows, j0:j0 + cols].to(device)
+            mask = hidden if mask is None else mask | hidden
         return mask
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreMods:
+    """What changes the scaled scores S before the softmax: `softcap` > 0 caps them as softcap · tanh(S / softcap)
+    (Gemma 2's), then `bias` (B or 1, H or 1, Tq, Tk) is added (SDPA's float attn_mask: -inf hides a key)."""
+    softcap: float = 0.0
+    bias: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.softcap > 0 or self.bias is not None

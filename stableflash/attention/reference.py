@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from stableflash.attention.mask import Visibility
+from stableflash.attention.mask import ScoreMods, Visibility
 from stableflash.attention.precision import SITE_INDEX, Precision, rounds_backward_stochastically
 from stableflash.attention.stabilize import SFA, ClampPbar
 from stableflash.attention.stats import AttentionStats, tail_limit
@@ -130,9 +130,14 @@ def _tiles(length: int, block: int | None):
     return [(start, min(block, length - start)) for start in range(0, length, block)]
 
 
-def _scores(r: _Rounder, qi, kj, scale, vis: Visibility, i0, j0):
+def _scores(r: _Rounder, qi, kj, scale, vis: Visibility, i0, j0, mods: ScoreMods | None = None):
     qk = r.mm(qi, kj.transpose(-1, -2), "qk")
     s = r.site("scores", r.ew(lambda a: a * scale, qk))
+    if mods is not None and mods.softcap > 0:
+        s = r.site("scores", mods.softcap * torch.tanh(r.up(s) / mods.softcap))
+    if mods is not None and mods.bias is not None:
+        bias = mods.bias[..., i0:i0 + s.shape[-2], j0:j0 + s.shape[-1]]
+        s = r.site("scores", r.up(s) + bias.to(device=s.device, dtype=r.cd))
     mask = vis.hidden(i0, qi.shape[-2], j0, kj.shape[-2], qi.device)
     if mask is not None:
         s = s.masked_fill(mask, -math.inf)
@@ -162,7 +167,8 @@ def _official_near_max_count(r: _Rounder, s: torch.Tensor, rm: torch.Tensor, eps
 
 @_policy_rounds_alone
 def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precision, stabilize=None,
-            stats: AttentionStats | None = None, heads=slice(None), row_flags: dict | None = None):
+            stats: AttentionStats | None = None, heads=slice(None), row_flags: dict | None = None,
+            mods: ScoreMods | None = None):
     """Tiled forward. Returns (out, o_saved, lse); see the module docstring for the rounding. With `row_flags` (a
     dict), it receives the statistics' per-row flags, (B, H, T) bool: "repeated", "positive" and "biasable"
     (`AttentionStats`; near-maxima within `stats.eps`, or 1e-3 without `stats`)."""
@@ -196,7 +202,7 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
             if vis.skips(i0, bm, j0, bn) and not official:  # the official SFA visits masked tiles too
                 continue
             kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
-            s = _scores(r, qi, kj, scale, vis, i0, j0)
+            s = _scores(r, qi, kj, scale, vis, i0, j0, mods)
             # -- row statistics of this tile --
             tile_max = r.site("row_max", s.amax(-1, keepdim=True))
             if counting:
@@ -260,7 +266,7 @@ def _probabilities(r: _Rounder, s, lse_i):
     return p.masked_fill(torch.isneginf(lse_i), 0.0)
 
 
-def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, vis: Visibility):
+def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, vis: Visibility, mods: ScoreMods | None = None):
     """δ per row by the policy's formula."""
     policy = r.policy
     T, Tk = q.shape[-2], k.shape[-2]
@@ -277,7 +283,7 @@ def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, vis: Visibility):
             if vis.skips(i0, bm, j0, bn):
                 continue
             kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
-            p = _probabilities(r, _scores(r, qi, kj, scale, vis, i0, j0), lse_i)
+            p = _probabilities(r, _scores(r, qi, kj, scale, vis, i0, j0, mods), lse_i)
             if policy.delta_formula == "dp_p":
                 dp = r.mm(doi, vj.transpose(-1, -2), "dp")
                 terms = r.site("delta_terms", r.ew(torch.mul, dp, p))
@@ -291,12 +297,13 @@ def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, vis: Visibility):
 
 
 @_policy_rounds_alone
-def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibility, policy: Precision):
+def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibility, policy: Precision,
+             mods: ScoreMods | None = None):
     """Tiled backward (FlashAttention-2 Algorithm 2). Returns (dq, dk, dv) in the site formats."""
     r = _Rounder(policy, q.dtype, draw_seed() if rounds_backward_stochastically(policy) else None)
     vis = _visibility(causal, q, k)
     B, H, T, D = q.shape
-    delta = _delta(r, q, k, v, o_saved, lse, dout, scale, vis)
+    delta = _delta(r, q, k, v, o_saved, lse, dout, scale, vis, mods)
     dq = torch.zeros(B, H, T, D, dtype=r.dtype("dq"), device=q.device)
     dk = torch.zeros(*k.shape, dtype=r.dtype("dk"), device=q.device)
     dv = torch.zeros(*v.shape, dtype=r.dtype("dv"), device=q.device)
@@ -308,12 +315,15 @@ def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibi
             if vis.skips(i0, bm, j0, bn):
                 continue
             qi, doi = q[:, :, i0:i0 + bm], dout[:, :, i0:i0 + bm]
-            s = _scores(r, qi, kj, scale, vis, i0, j0)
+            s = _scores(r, qi, kj, scale, vis, i0, j0, mods)
             p = _probabilities(r, s, lse[:, :, i0:i0 + bm])
             p_op = r.site("p_operand", p)
             dv_j = r.site("dv", r.ew(torch.add, dv_j, r.mm(p_op.transpose(-1, -2), doi, "dv_part")))
             dp = r.mm(doi, vj.transpose(-1, -2), "dp")
             ds = r.site("ds", r.ew(torch.mul, p, r.ew(torch.sub, dp, delta[:, :, i0:i0 + bm])))
+            if mods is not None and mods.softcap > 0:  # through the cap: d tanh(x) = 1 - tanh(x)^2
+                capped = r.up(s).nan_to_num(neginf=0.0) / mods.softcap
+                ds = r.site("ds", r.up(ds) * (1 - capped * capped))
             ds_op = r.site("ds_operand", ds)
             dq_part = r.ew(lambda a: a * scale, r.mm(ds_op, kj, "dq_part"))
             dq[:, :, i0:i0 + bm] = r.site("dq", r.ew(torch.add, dq[:, :, i0:i0 + bm], dq_part))
@@ -325,28 +335,38 @@ def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibi
 
 
 class ReferenceAttention(torch.autograd.Function):
-    """Autograd wrapper: the forward saves O (as the policy says) and the log-sum-exp."""
+    """Autograd wrapper: the forward saves O (as the policy says) and the log-sum-exp; returns O and the natural-log
+    lse (B, H, T) fp32 (not differentiable)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, policy, stabilize, stats, heads):
+    def forward(q, k, v, scale, causal, policy, stabilize, stats, heads, mods):
         out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy,
-                                    stabilize=stabilize, stats=stats, heads=heads)
-        ctx.save_for_backward(q, k, v, o_saved, lse)
-        ctx.scale, ctx.causal, ctx.policy = scale, causal, policy
-        return out
+                                    stabilize=stabilize, stats=stats, heads=heads, mods=mods)
+        # the O δ reads where it is not the output itself (an output twice would split its gradient)
+        return out, (o_saved if o_saved is not out else out.new_empty(0)), lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def setup_context(ctx, inputs, output):
+        q, k, v, scale, causal, policy, _, _, _, mods = inputs
+        out, o_saved, lse = output
+        ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse)
+        ctx.scale, ctx.causal, ctx.policy, ctx.mods = scale, causal, policy, mods
+        ctx.mark_non_differentiable(o_saved, lse)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
         q, k, v, o_saved, lse = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, o_saved, lse, dout, scale=ctx.scale, causal=ctx.causal, policy=ctx.policy)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        dq, dk, dv = backward(q, k, v, o_saved, lse, dout, scale=ctx.scale, causal=ctx.causal, policy=ctx.policy,
+                              mods=ctx.mods)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 def split_heads(q, k, v, policy: Precision, run):
     """Resolve a per-head override: `run(q, k, v, policy, heads)` on each group of heads, outputs re-interleaved.
 
     `heads` is the index tensor of the group (or `slice(None)` when there is no override),
-    so per-head statistics land on the right heads.
+    so per-head statistics land on the right heads. `run` returns a tensor or a tuple of tensors, each with the
+    heads on dim 1; so does this.
     """
     if policy.head_override is None:
         return run(q, k, v, policy, slice(None))
@@ -363,17 +383,33 @@ def split_heads(q, k, v, policy: Precision, run):
             continue
         parts.append(run(*(t.index_select(1, idx) for t in (q, k, v)), pol, idx))
         index.append(idx)
-    out_dtype = parts[0].dtype if rest.numel() else parts[-1].dtype
-    combined = torch.cat([p.to(out_dtype) for p in parts], dim=1)
     inverse = torch.argsort(torch.cat(index))
-    return combined.index_select(1, inverse)
+    single = not isinstance(parts[0], tuple)
+    grouped = [(p,) if single else p for p in parts]
+    merged = []
+    for outputs in zip(*grouped):
+        dtype = outputs[0].dtype if rest.numel() else outputs[-1].dtype
+        merged.append(torch.cat([o.to(dtype) for o in outputs], dim=1).index_select(1, inverse))
+    return merged[0] if single else tuple(merged)
 
 
-def reference_attention(q, k, v, *, scale: float, causal: bool, policy: Precision, stabilize=None,
-                        stats: AttentionStats | None = None) -> torch.Tensor:
-    """Reference attention with per-head policy overrides resolved."""
-    return split_heads(q, k, v, policy, lambda q, k, v, pol, heads: ReferenceAttention.apply(
-        q, k, v, scale, causal, pol, stabilize, stats, heads))
+def _mods_for(mods: ScoreMods | None, heads) -> ScoreMods | None:
+    """`mods` for a group of heads (`heads`: an index tensor or every head): a per-head bias sliced to them."""
+    if mods is None or mods.bias is None or isinstance(heads, slice) or mods.bias.shape[1] == 1:
+        return mods
+    return ScoreMods(mods.softcap, mods.bias.index_select(1, heads.to(mods.bias.device)))
+
+
+def reference_attention(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precision, stabilize=None,
+                        stats: AttentionStats | None = None, mods: ScoreMods | None = None):
+    """Reference attention with per-head policy overrides resolved: (O, lse (B, H, T), natural log, in fp32 or the
+    policy's wider format)."""
+    def run(q, k, v, pol, heads):
+        out, _, lse = ReferenceAttention.apply(q, k, v, scale, causal, pol, stabilize, stats, heads,
+                                               _mods_for(mods, heads))
+        return out, lse[..., 0].to(torch.promote_types(lse.dtype, torch.float32))
+
+    return split_heads(q, k, v, policy, run)
 
 
 @_policy_rounds_alone

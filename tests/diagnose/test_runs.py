@@ -128,7 +128,7 @@ def test_policy_errors_at_a_checkpoint_script(base_run, tmp_path):
     from pathlib import Path
 
     run, overrides = base_run
-    script = Path(__file__).resolve().parents[2] / "scripts" / "policy_errors_at_checkpoint.py"
+    script = Path(__file__).resolve().parents[2] / "research" / "policy_errors_at_checkpoint.py"
     subprocess.run([sys.executable, str(script), "--config", "tiny-cpu", "--checkpoint", str(run), "--out",
                     str(tmp_path / "e.json"), *[a for o in overrides for a in ("--set", o)]],
                    check=True, capture_output=True, text=True, timeout=300)

@@ -94,10 +94,12 @@ def check(q: torch.Tensor, policy: Precision, stabilize) -> None:
 
 def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabilize=None,
               stats: AttentionStats | None = None, window: tuple[int, int] = (-1, -1),
-              key_padding: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
+              key_padding: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+              return_lse: bool = False):
     """Fused attention; a per-head policy override runs each group of heads through its own kernel. Tk != Tq, a
     window, key padding and packed sequences (`segments`: `launch.packed_segments`, q, k, v one batch row of the
-    packed sequences) run the kernels' masked form (`supports_masks`)."""
+    packed sequences) run the kernels' masked form (`supports_masks`). With `return_lse`, (O, lse (B, H, Tq) fp32
+    natural log, not differentiable)."""
     from stableflash.attention.triton import launch
 
     band = launch.band_of(q, k, causal, window, key_padding, segments)
@@ -107,20 +109,22 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
         raise ValueError("backend: 'triton' runs Tk != Tq, windows and key padding only without a per-head policy "
                          "override, and packed sequences only under production FA2 numerics (precision 'fa2'); "
                          "use backend='reference' or 'auto'")
-    return split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
+    out, lse = split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
         q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads, band=band))
+    return (out, lse) if return_lse else out
 
 
 def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band):
     from stableflash.attention.triton import ops
+    from stableflash.attention.triton.spec import spec_named
 
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
     _, H, T, D = q.shape
     name = spec_name(policy, stabilize, q.dtype, D, max(T, k.shape[-2]))  # an untiled policy: one tile of each
-    out, _, _, counts, smax = ops.flash_fwd(q, k, v, causal, float(scale), name, stats is not None,
-                                            float(stats.eps) if stats is not None else 0.0, *ops.band_fields(band))
+    out, _, lse, counts, smax = ops.flash_fwd(q, k, v, causal, float(scale), name, stats is not None,
+                                              float(stats.eps) if stats is not None else 0.0, *ops.band_fields(band))
     if stats is not None:
         stats.add_counts(heads, counts, smax)
-    return out
+    return out, lse.detach() / spec_named(name).units  # the kernels' units (base 2 natively): natural

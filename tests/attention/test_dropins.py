@@ -1,0 +1,169 @@
+"""The drop-ins where attention is already called: flash-attn's calls, SDPA's signature and a block of code routed
+through stableflash. On the CPU, through the reference, against dense fp64 softmax attention."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stableflash
+from stableflash.attention import (
+    flash_attention,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+    route_sdpa,
+    sdpa,
+)
+
+EXACT = dict(precision="fp64", backend="reference")
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _dense(q, k, v, *, causal=False, softcap=0.0, bias=None):
+    """Softmax attention on (B, H, T, D), causal to the bottom right: (O, lse)."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    if causal:
+        Tq, Tk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool).triu(Tk - Tq + 1), -math.inf)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def test_packed_calls_are_flash_attn_func_and_lse_is_the_rows_log_sum_exp():
+    q, k, v = (_randn(2, 9, 4, 8, seed=i) for i in range(3))
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **EXACT)
+    want, want_lse = _dense(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
+    assert torch.allclose(out, want.transpose(1, 2)) and torch.allclose(lse, want_lse) and probs is None
+    assert torch.equal(flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), causal=True, **EXACT), out)
+    assert torch.equal(flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True, **EXACT), out)
+    window = flash_attn_func(q, k, v, window_size=torch.tensor([2, 0]), **EXACT)  # a tensor window, as varlen users
+    assert torch.equal(window, flash_attn_func(q, k, v, window_size=(2, 0), **EXACT))
+    assert torch.equal(flash_attn_func(q, k, v, deterministic=True, causal=True, **EXACT), out)
+
+
+def test_varlen_packed_forms_and_their_lse():
+    lengths = [5, 1, 8]
+    cu = torch.tensor([0, 5, 6, 14], dtype=torch.int32)
+    q, k, v = (_randn(14, 4, 8, seed=i) for i in range(3))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True, return_attn_probs=True,
+                                         block_table=None, **EXACT)
+    assert lse.shape == (4, 14)
+    for (a, b) in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want, want_lse = _dense(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), causal=True)
+        assert torch.allclose(out[a:b], want[0].transpose(0, 1)) and torch.allclose(lse[:, a:b], want_lse[0])
+    assert len(lengths) == 3
+    qkv = torch.stack([q, k, v], 1)
+    assert torch.equal(flash_attn_varlen_qkvpacked_func(qkv, cu, 8, causal=True, **EXACT), out)
+    assert torch.equal(flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 8, 8, causal=True, **EXACT),
+                       out)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, block_table=torch.zeros(3, 1, dtype=torch.int32))
+
+
+def test_softcap_forward_and_backward_are_the_capped_softmax():
+    q, k, v = (_randn(1, 2, 7, 4, seed=i).requires_grad_() for i in range(3))
+    ours = flash_attention(q, k, v, softcap=2.0, **EXACT)
+    want, _ = _dense(q, k, v, causal=True, softcap=2.0)
+    assert torch.allclose(ours, want)
+    dout = _randn(1, 2, 7, 4, seed=9)
+    grads = torch.autograd.grad(ours, (q, k, v), dout)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    for name, a, b in zip("qkv", grads, want_grads):
+        assert torch.allclose(a, b, atol=1e-10), name
+
+
+def test_sdpa_has_sdpas_signature_defaults_and_masks():
+    q, k, v = (_randn(2, 3, 6, 8, seed=i) for i in range(3))
+    k2, v2 = _randn(2, 3, 9, 8, seed=5), _randn(2, 3, 9, 8, seed=6)
+    cases = [dict(), dict(is_causal=True), dict(attn_mask=torch.rand(6, 9, generator=torch.Generator().manual_seed(1)) > 0.2),
+             dict(attn_mask=_randn(2, 1, 6, 9, seed=7)), dict(scale=0.3)]
+    for kwargs in cases:
+        keys = (k2, v2) if "attn_mask" in kwargs or kwargs.get("is_causal") else (k, v)
+        want = F.scaled_dot_product_attention(q, *keys, **kwargs)
+        assert torch.allclose(sdpa(q, *keys, **kwargs, precision="fp64", backend="reference"), want), kwargs
+    # SDPA's causal mask for L != S is aligned to the top left, flash-attn's to the bottom right
+    assert torch.allclose(sdpa(q, k2, v2, is_causal=True, **EXACT), F.scaled_dot_product_attention(q, k2, v2,
+                                                                                                    is_causal=True))
+    kv = _randn(2, 1, 6, 8, seed=8)
+    assert torch.allclose(sdpa(q, kv, kv, enable_gqa=True, **EXACT),
+                          F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True))
+    with pytest.raises(ValueError, match="enable_gqa"):
+        sdpa(q, kv, kv)
+    with pytest.raises(ValueError, match="dropout_p"):
+        sdpa(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="attn_mask: shape"):
+        sdpa(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.bool))
+    three = sdpa(q[0], k[0], v[0], **EXACT)  # (H, L, E)
+    assert torch.allclose(three, F.scaled_dot_product_attention(q[0], k[0], v[0]))
+
+
+def test_route_sdpa_sends_a_blocks_calls_through_stableflash_and_restores_torchs():
+    q = _randn(1, 2, 5, 4, seed=0).float()
+    original = F.scaled_dot_product_attention
+    stats = stableflash.AttentionStats(2)
+    with route_sdpa(precision="fp32", backend="reference", stats=stats):
+        inside = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert F.scaled_dot_product_attention is original
+    assert stats.rows.tolist() == [5, 5]  # it went through stableflash
+    assert torch.allclose(inside, original(q, q, q, is_causal=True), atol=1e-6)
+    with pytest.raises(TypeError, match="route_sdpa: unknown options"):
+        with route_sdpa(precison="fp32"):
+            pass
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_writes_the_new_keys_in_place_and_attends_to_each_sequences_own(paged):
+    B, T, H, D = 3, 12, 2, 8
+    k_cache, v_cache = torch.zeros(B, T, H, D, dtype=torch.float64), torch.zeros(B, T, H, D, dtype=torch.float64)
+    lengths = torch.tensor([4, 7, 1], dtype=torch.int32)
+    history = [(_randn(T, H, D, seed=10 + b), _randn(T, H, D, seed=20 + b)) for b in range(B)]
+    for b, (hk, hv) in enumerate(history):
+        k_cache[b, :lengths[b]], v_cache[b, :lengths[b]] = hk[:lengths[b]], hv[:lengths[b]]
+    new_k, new_v = _randn(B, 1, H, D, seed=1), _randn(B, 1, H, D, seed=2)
+    q = _randn(B, 1, H, D, seed=3)
+    kwargs = dict(k=new_k, v=new_v, cache_seqlens=lengths, causal=True, return_softmax_lse=True, **EXACT)
+    if paged:  # 4 pages of 3 positions each, the sequences' pages shuffled in one pool
+        table = torch.tensor([[5, 0, 9, 2], [1, 7, 3, 11], [4, 6, 8, 10]], dtype=torch.int32)
+        pool_k, pool_v = torch.zeros(12, 3, H, D, dtype=torch.float64), torch.zeros(12, 3, H, D, dtype=torch.float64)
+        for b in range(B):
+            for p in range(4):
+                pool_k[table[b, p]], pool_v[table[b, p]] = k_cache[b, 3 * p:3 * p + 3], v_cache[b, 3 * p:3 * p + 3]
+        out, lse = flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table, **kwargs)
+        written = pool_k[table[0, 4 // 3], 4 % 3]
+    else:
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+        written = k_cache[0, 4]
+    assert torch.equal(written, new_k[0, 0])  # in place, after the sequence's 4 keys
+    for b in range(B):
+        n = int(lengths[b])
+        keys = torch.cat([history[b][0][:n], new_k[b]])
+        values = torch.cat([history[b][1][:n], new_v[b]])
+        want, want_lse = _dense(q[b:b + 1].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2))
+        assert torch.allclose(out[b:b + 1], want.transpose(1, 2)) and torch.allclose(lse[b], want_lse[0]), b
+    with pytest.raises(ValueError, match="rotary"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=torch.ones(1))
+
+
+def test_kvcache_with_several_causal_queries_aligns_each_to_its_own_end():
+    B, T, H, D = 2, 10, 1, 4
+    k_cache, v_cache = _randn(B, T, H, D, seed=1), _randn(B, T, H, D, seed=2)
+    q = _randn(B, 3, H, D, seed=3)
+    lengths = torch.tensor([5, 9])
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True, **EXACT)
+    for b in range(B):
+        n = int(lengths[b])
+        want, _ = _dense(q[b:b + 1].transpose(1, 2), k_cache[b:b + 1, :n].transpose(1, 2),
+                         v_cache[b:b + 1, :n].transpose(1, 2), causal=True)
+        assert torch.allclose(out[b:b + 1], want.transpose(1, 2))
