@@ -24,6 +24,7 @@ import torch
 from stableflash.attention import SFA, AttentionStats, resolve
 from stableflash.train.config import MonitorConfig
 from stableflash.train.monitor import HeadCount, Monitor, scores_format
+from stableflash.train.publish import Publisher, monitor_scalars
 
 _ACTIVE: list[Watch] = []
 
@@ -43,7 +44,7 @@ def _head_count(model) -> int:
 
 class Watch:
     def __init__(self, model, *, log_dir: str | Path | None = None, interval: int = 10, action: str = "none",
-                 num_heads: int | None = None, precision="fa2", tensorboard: bool = False,
+                 num_heads: int | None = None, precision="fa2", tensorboard: bool = False, wandb: bool = False,
                  config: MonitorConfig | None = None):
         if action not in ("none", "sfa", "fp32"):
             raise ValueError(f"action: expected 'none', 'sfa' or 'fp32', got {action!r}")
@@ -58,14 +59,11 @@ class Watch:
         self.stats: dict[int, AttentionStats] = {}
         self.overrides: dict[int, tuple] = {}
         self.events: list[dict] = []
-        self.tensorboard = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             for name in ("monitor.jsonl", "events.jsonl"):
                 (self.log_dir / name).write_text("")
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tensorboard = SummaryWriter(str(self.log_dir / "tb"))
+        self.publisher = Publisher(self.log_dir, tensorboard=tensorboard, wandb=wandb)
 
     @property
     def armed(self) -> bool:
@@ -97,11 +95,10 @@ class Watch:
             events += warned
             for event in warned:
                 events += self._act(event)
-            if self.tensorboard is not None:
-                for i, s in enumerate(stats):
-                    if s is not None:
-                        share = sum(s["repeated_max_rows"]) / max(1, sum(s["rows"]))
-                        self.tensorboard.add_scalar(f"attention/layer{i}/repeated_max_rows", share, self.step_count)
+            self.publisher.scalars(monitor_scalars(record), self.step_count)
+        if loss is not None or grad_norm is not None:
+            self.publisher.scalars({f"train/{name}": value for name, value in (("loss", loss), ("grad_norm", grad_norm))
+                                    if value is not None}, self.step_count)
         for event in events:
             self._log("events.jsonl", event)
         self.events += events
@@ -132,9 +129,7 @@ class Watch:
     def close(self) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        self.publisher.close()
 
 
 def watch(model: torch.nn.Module, **kwargs) -> Watch:
@@ -146,12 +141,29 @@ def watch(model: torch.nn.Module, **kwargs) -> Watch:
 
 
 def trainer_callback(w: Watch):
-    """A `transformers.TrainerCallback` that steps `w` after every optimizer step with the last logged loss."""
+    """A `transformers.TrainerCallback` that steps `w` once per optimizer step with that step's loss and gradient norm,
+    as the Trainer logs them: with `logging_steps=1` every step's; on a step it does not log, `w` steps without them.
+    (The Trainer computes both after `on_step_end` and hands them to callbacks only through `on_log`.)"""
     from transformers import TrainerCallback
 
     class StableflashCallback(TrainerCallback):
+        pending = False
+
+        def _flush(self) -> None:
+            if self.pending:
+                w.step(None)
+                self.pending = False
+
         def on_step_end(self, args, state, control, **kwargs):
-            logged = [entry["loss"] for entry in state.log_history if "loss" in entry]
-            w.step(logged[-1] if logged else None)
+            self._flush()  # the previous step, if no log carried its loss
+            self.pending = True
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if self.pending and logs and "loss" in logs:
+                w.step(float(logs["loss"]), float(logs["grad_norm"]) if logs.get("grad_norm") is not None else None)
+                self.pending = False
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self._flush()
 
     return StableflashCallback()

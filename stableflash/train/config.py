@@ -334,6 +334,9 @@ class RunConfig:
     ddp_bucket_mb: float = 25.0
     """DDP's gradient bucket size (torch's default 25); under torch.compile each bucket splits the graph."""
     tensorboard: bool = False
+    """Write the metrics and the monitor's signals to TensorBoard (`tb/` in the run folder)."""
+    wandb: bool = False
+    """Send them to the Weights & Biases run in progress (started by the caller's `wandb.init`)."""
     progress: bool = True
 
     def __post_init__(self):

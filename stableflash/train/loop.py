@@ -27,6 +27,7 @@ from stableflash.train.config import AttentionConfig, TrainConfig
 from stableflash.train.data import ReplayLog, TokenData, batch_offsets, ensure_embedded, gather
 from stableflash.train.monitor import Monitor
 from stableflash.train.optim import build_optimizers, set_lr
+from stableflash.train.publish import Publisher, monitor_scalars
 
 
 class _StopSignal:
@@ -184,7 +185,7 @@ class Trainer:
             self._load()
         self._pick_attention_tiles()
         self.batch_log = ReplayLog(self.run_dir / "batches.jsonl") if self.is_main else None
-        self.tensorboard = None
+        self.publisher = None
         if self.is_main:
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
             if not resume:
@@ -193,9 +194,8 @@ class Trainer:
                     (self.run_dir / name).write_text("")
             else:
                 self._check_threads()
-            if cfg.run.tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tensorboard = SummaryWriter(str(self.run_dir / "tb"))
+            if cfg.run.tensorboard or cfg.run.wandb:
+                self.publisher = Publisher(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb)
 
     # -- state ----------------------------------------------------------------------
 
@@ -461,9 +461,9 @@ class Trainer:
                 record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": tokens_per_step / elapsed}
                 self._log("metrics.jsonl", record)
-                if self.tensorboard is not None:
-                    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                        self.tensorboard.add_scalar(f"train/{key}", record[key], self.step)
+                if self.publisher is not None:
+                    self.publisher.scalars({f"train/{key}": record[key]
+                                            for key in ("loss", "lr", "grad_norm", "tokens_per_s")}, self.step)
                 if progress is not None:
                     progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                     progress.update(1)
@@ -477,6 +477,8 @@ class Trainer:
                 if monitored:
                     entry, events = self.monitor.observe(self.step, self.model, loss)
                     self._log("monitor.jsonl", entry)
+                    if self.publisher is not None:
+                        self.publisher.scalars(monitor_scalars(entry), self.step)
                     for event in events:
                         self._log("events.jsonl", event)
                 for event in self._from_main(events, every_rank=monitor_step):
@@ -492,8 +494,8 @@ class Trainer:
                 if cfg.run.eval_interval and self.step % cfg.run.eval_interval == 0:
                     val = self.evaluate()
                     self._log("metrics.jsonl", {"step": self.step, "val_loss": val})
-                    if self.tensorboard is not None:
-                        self.tensorboard.add_scalar("val/loss", val, self.step)
+                    if self.publisher is not None:
+                        self.publisher.scalars({"val/loss": val}, self.step)
                 if cfg.run.checkpoint_interval and self.step % cfg.run.checkpoint_interval == 0:
                     self.save()
                     if cfg.run.keep_interval_checkpoints and self.is_main:
@@ -505,8 +507,8 @@ class Trainer:
             progress.close()
         if not stop_reason.startswith(("loss", "loss spike")):
             self.save()  # a run always checkpoints when it stops
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.publisher is not None:
+            self.publisher.close()
         return {"step": self.step, "stop_reason": stop_reason, "run_dir": str(self.run_dir), "rank": self.rank,
                 "attention": [a.attention.describe() for a in self.model.attentions]}
 

@@ -53,14 +53,37 @@ def test_the_example_trains_a_llama_with_the_watch_on(tmp_path, capsys):
     assert "loss" in capsys.readouterr().out
 
 
-def test_the_trainer_callback_steps_the_watch():
-    pytest.importorskip("transformers")
+def test_a_real_trainer_steps_the_watch_with_each_steps_loss_and_grad_norm(tmp_path):
+    """transformers' Trainer, 6 steps of a tiny Llama with logging every step: the watch steps once per optimizer
+    step, its monitored records carry that step's logged loss, its gradient-norm rule sees that step's norm, and
+    TensorBoard gets the monitor's signals."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tensorboard")
+    from transformers import LlamaConfig, Trainer, TrainingArguments
+
+    from stableflash.integrations.transformers import register
     from stableflash.integrations.watch import trainer_callback
 
-    model = torch.nn.Linear(2, 2)
-    with stableflash.watch(model, num_heads=2) as w:
-        callback = trainer_callback(w)
-        state = type("State", (), {"log_history": [{"loss": 2.5}]})()
-        callback.on_step_end(None, state, None)
-        callback.on_step_end(None, state, None)
-        assert w.step_count == 2
+    register()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="stableflash")
+    ids = torch.randint(0, 61, (24, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, max_steps=6,
+                             logging_steps=1, report_to=[], learning_rate=1e-3, use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    seen = []
+    with stableflash.watch(model, log_dir=tmp_path / "watch", interval=2, tensorboard=True) as w:
+        original = w.step
+        w.step = lambda loss=None, grad_norm=None: seen.append((loss, grad_norm)) or original(loss, grad_norm)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[trainer_callback(w)])
+        trainer.train()
+    logged = [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 6 and w.step_count == 6
+    assert seen == [(pytest.approx(loss), pytest.approx(norm)) for loss, norm in logged]
+    records = [json.loads(line) for line in (tmp_path / "watch" / "monitor.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 2, 4]
+    assert [r["loss"] for r in records] == [pytest.approx(logged[i][0]) for i in (0, 2, 4)]
+    assert list((tmp_path / "watch" / "tb").glob("events.out.tfevents.*"))
