@@ -76,7 +76,12 @@ def main():
         cfg = load_config("quick-gpu", [*shape, f"run.max_steps={steps}", *_apply_setting(name), *args.overrides])
         run_dir = args.out / "runs" / f"{index}-{name}"
         started = time.time()
-        train(cfg, run_dir)
+        try:
+            train(cfg, run_dir)
+        except Exception as error:  # one setting's failure is its row's, not the benchmark's
+            rows.append({"setting": name, "steps": steps, "error": f"{type(error).__name__}: {error}"[:300]})
+            torch.cuda.empty_cache()
+            continue
         metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
         rate = statistics.median(m["tokens_per_s"] for m in metrics[args.warmup:])
         rows.append({"setting": name, "steps": steps, "tokens_per_s": rate, "first_loss": metrics[0]["loss"],
@@ -94,11 +99,15 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     its first setting), to its own round's baseline, the latest run of the first setting before it: the machine's
     speed drifts between rounds. Fills JSON written before the per-round ratio too."""
     baseline = rows[0]["setting"]
+    first = next((row["tokens_per_s"] for row in rows if row["setting"] == baseline and "error" not in row), None)
+    round_baseline = None
     for row in rows:
-        row["ratio_to_" + baseline] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         if row["setting"] == baseline:
-            round_baseline = row["tokens_per_s"]
-        row[f"ratio_to_round_{baseline}"] = row["tokens_per_s"] / round_baseline
+            round_baseline = row.get("tokens_per_s")
+        if "error" in row:
+            continue
+        row["ratio_to_" + baseline] = row["tokens_per_s"] / first if first else None
+        row[f"ratio_to_round_{baseline}"] = row["tokens_per_s"] / round_baseline if round_baseline else None
     return rows
 
 
@@ -108,7 +117,7 @@ def round_summary(rows: list[dict]) -> dict:
     baseline = rows[0]["setting"]
     ratios: dict[str, list[float]] = {}
     for row in rows:
-        if row["setting"] != baseline:
+        if row["setting"] != baseline and row.get(f"ratio_to_round_{baseline}") is not None:
             ratios.setdefault(row["setting"], []).append(row[f"ratio_to_round_{baseline}"])
     return {name: {"rounds": len(r), "median": statistics.median(r), "min": min(r), "max": max(r)}
             for name, r in ratios.items()}
@@ -118,9 +127,15 @@ def print_table(doc: dict):
     rows = doc["rows"]
     baseline = rows[0]["setting"]
     print(f"{'setting':<22}{'steps':>6}{'tokens/s':>12}{'ratio':>8}{'in round':>10}{'loss first->last':>20}")
+    def ratio(value):
+        return f"{value:.3f}" if value is not None else "-"
+
     for row in rows:
-        print(f"{row['setting']:<22}{row['steps']:>6}{row['tokens_per_s']:>12.0f}{row['ratio_to_' + baseline]:>8.3f}"
-              f"{row[f'ratio_to_round_{baseline}']:>10.3f}{row['first_loss']:>10.3f} -> {row['last_loss']:.3f}")
+        if "error" in row:
+            print(f"{row['setting']:<22}{row['steps']:>6}  failed: {row['error']}")
+            continue
+        print(f"{row['setting']:<22}{row['steps']:>6}{row['tokens_per_s']:>12.0f}{ratio(row['ratio_to_' + baseline]):>8}"
+              f"{ratio(row[f'ratio_to_round_{baseline}']):>10}{row['first_loss']:>10.3f} -> {row['last_loss']:.3f}")
     print(f"\nagainst the same round's {baseline}:")
     for name, s in round_summary(rows).items():
         rounds = f"{s['rounds']} round" + "s" * (s["rounds"] != 1)

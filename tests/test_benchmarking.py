@@ -41,3 +41,23 @@ def test_feature_cost_compares_per_round(monkeypatch):
     assert rows["sfa/fa2"]["per_round"] == pytest.approx([2.0, 2.0, 1.0]) and rows["sfa/fa2"]["median"] == 2.0
     with pytest.raises(ValueError):  # rounds that do not pair up are a bug, not a shorter table
         feature_cost.compare([1.0], [1.0, 1.0], "cost")
+
+
+def test_a_failed_training_setting_is_its_rows_not_the_benchmarks(capsys):
+    """train_throughput: a setting that failed (here the baseline's second round) keeps its error in its row; the
+    others' ratios and the round summary are computed from the rows that ran."""
+    pytest.importorskip("triton")
+    import train_throughput
+
+    rows = [{"setting": "sdpa", "steps": 10, "tokens_per_s": 100.0, "first_loss": 5.0, "last_loss": 4.0},
+            {"setting": "triton-fa2-sfa", "steps": 10, "tokens_per_s": 110.0, "first_loss": 5.0, "last_loss": 4.0},
+            {"setting": "sdpa", "steps": 10, "error": "RuntimeError: out of memory"},
+            {"setting": "triton-fa2-sfa", "steps": 10, "tokens_per_s": 120.0, "first_loss": 5.0, "last_loss": 4.0}]
+    train_throughput.add_ratios(rows)
+    assert rows[1]["ratio_to_sdpa"] == pytest.approx(1.1) and rows[3]["ratio_to_sdpa"] == pytest.approx(1.2)
+    assert rows[3]["ratio_to_round_sdpa"] is None  # its round's baseline failed
+    assert train_throughput.round_summary(rows) == {"triton-fa2-sfa": {"rounds": 1, "median": pytest.approx(1.1),
+                                                                       "min": pytest.approx(1.1),
+                                                                       "max": pytest.approx(1.1)}}
+    train_throughput.print_table({"rows": rows})
+    assert "failed: RuntimeError: out of memory" in capsys.readouterr().out
