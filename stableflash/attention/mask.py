@@ -51,9 +51,11 @@ class Visibility:
 
     def hidden(self, i0: int, rows: int, j0: int, cols: int, device) -> torch.Tensor | None:
         """True where the tile's key is hidden from its query: (rows, cols), or (B, 1, rows, cols) with padding;
-        None when nothing in the tile is hidden."""
+        None when the band hides nothing in the tile and there is no padding or dense mask. Decided from the
+        tile's bounds, never from the mask's values (traced code may not branch on them)."""
         mask = None
-        if self.banded:
+        nearest, farthest = j0 - (i0 + rows - 1 + self.offset), (j0 + cols - 1) - (i0 + self.offset)
+        if (self.right is not None and farthest > self.right) or (self.left is not None and nearest < -self.left):
             i = torch.arange(i0, i0 + rows, device=device)[:, None]
             j = torch.arange(j0, j0 + cols, device=device)[None, :]
             distance = j - (i + self.offset)
@@ -62,12 +64,9 @@ class Visibility:
                 mask |= distance > self.right
             if self.left is not None:
                 mask |= distance < -self.left
-            if not mask.any():
-                mask = None
         if self.key_padding is not None:
             pad = ~self.key_padding[:, None, None, j0:j0 + cols].to(device)  # (B, 1, 1, cols)
-            if pad.any():
-                mask = pad if mask is None else mask | pad
+            mask = pad if mask is None else mask | pad
         if self.dense is not None:
             hidden = ~self.dense[..., i0:i0 + rows, j0:j0 + cols].to(device)
             mask = hidden if mask is None else mask | hidden

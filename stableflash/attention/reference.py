@@ -179,11 +179,9 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
     device = q.device
     pbar_fmt = r.format("pbar_operand")
     row_max_fmt = r.format("row_max")
-    out = torch.empty(B, H, T, D, dtype=r.dtype("out"), device=device)
-    o_saved = None
-    if policy.o_saved != "out":
-        o_saved = torch.empty(B, H, T, D, dtype=get_format(policy.o_saved).torch_dtype, device=device)
-    lse = torch.empty(B, H, T, 1, dtype=r.dtype("lse"), device=device)
+    # per query tile, joined at the end (out of place: torch.func's vmap takes no writes into a buffer)
+    outs, o_saves, lses = [], [], []
+    saved_dtype = None if policy.o_saved == "out" else get_format(policy.o_saved).torch_dtype
     counting = stats is not None or row_flags is not None
     eps = stats.eps if stats is not None else AttentionStats.eps
     if counting:
@@ -245,11 +243,13 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
         l = r.site("row_sum_saved", l, (i0, 0, 0))  # the buffer that the division and the log-sum-exp read
         o_full = r.ew(torch.div, acc, torch.where(empty, torch.ones_like(l), l))
         o_full = o_full.masked_fill(empty, 0.0)
-        out[:, :, i0:i0 + bm] = r.site("out", o_full, (i0, 0, 0))
-        if o_saved is not None:
-            o_saved[:, :, i0:i0 + bm] = r.cast(o_full, o_saved.dtype)
+        outs.append(r.site("out", o_full, (i0, 0, 0)))
+        if saved_dtype is not None:
+            o_saves.append(r.cast(o_full, saved_dtype))
         log_l = r.site("lse", torch.log(r.up(l)))
-        lse[:, :, i0:i0 + bm] = r.site("lse", r.ew(torch.add, log_l, m)).masked_fill(empty, -math.inf)
+        lses.append(r.site("lse", r.ew(torch.add, log_l, m)).masked_fill(empty, -math.inf))
+    out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    o_saved = torch.cat(o_saves, dim=2) if saved_dtype is not None else None
 
     if row_flags is not None:
         row_flags.update(repeated=repeated[..., 0], positive=positive[..., 0], biasable=biasable[..., 0])
@@ -275,9 +275,10 @@ def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, vis: Visibility, mod
         terms = r.site("delta_terms", r.up(dout) * r.up(o_saved), (0, 0, 0))
         return r.site("delta", r.up(terms).sum(-1, keepdim=True), (0, 0, 0))
     # the other two formulas need P row by row: one pass over the key tiles
-    delta = torch.zeros(*q.shape[:-1], 1, dtype=r.dtype("delta"), device=q.device)
+    parts = []
     for i0, bm in _tiles(T, policy.block_m):
         qi, doi, lse_i = q[:, :, i0:i0 + bm], dout[:, :, i0:i0 + bm], lse[:, :, i0:i0 + bm]
+        delta_i = torch.zeros(*qi.shape[:-1], 1, dtype=r.dtype("delta"), device=q.device)
         o_hp = torch.zeros(*qi.shape, dtype=torch.float64 if r.cd == torch.float64 else torch.float32, device=q.device)
         for j0, bn in _tiles(Tk, policy.block_n):
             if vis.skips(i0, bm, j0, bn):
@@ -288,12 +289,13 @@ def _delta(r: _Rounder, q, k, v, o_saved, lse, dout, scale, vis: Visibility, mod
                 dp = r.mm(doi, vj.transpose(-1, -2), "dp")
                 terms = r.site("delta_terms", r.ew(torch.mul, dp, p))
                 part = r.site("delta", r.up(terms).sum(-1, keepdim=True))
-                delta[:, :, i0:i0 + bm] = r.site("delta", r.ew(torch.add, delta[:, :, i0:i0 + bm], part))
+                delta_i = r.site("delta", r.ew(torch.add, delta_i, part))
             else:  # do_o_recomputed: O = PV accumulated in fp32 (or fp64)
-                o_hp += p.to(o_hp.dtype) @ vj.to(o_hp.dtype)
+                o_hp = o_hp + p.to(o_hp.dtype) @ vj.to(o_hp.dtype)
         if policy.delta_formula == "do_o_recomputed":
-            delta[:, :, i0:i0 + bm] = r.site("delta", (doi.to(o_hp.dtype) * o_hp).sum(-1, keepdim=True))
-    return delta
+            delta_i = r.site("delta", (doi.to(o_hp.dtype) * o_hp).sum(-1, keepdim=True))
+        parts.append(delta_i)
+    return torch.cat(parts, dim=2)
 
 
 @_policy_rounds_alone
@@ -304,13 +306,13 @@ def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibi
     vis = _visibility(causal, q, k)
     B, H, T, D = q.shape
     delta = _delta(r, q, k, v, o_saved, lse, dout, scale, vis, mods)
-    dq = torch.zeros(B, H, T, D, dtype=r.dtype("dq"), device=q.device)
-    dk = torch.zeros(*k.shape, dtype=r.dtype("dk"), device=q.device)
-    dv = torch.zeros(*v.shape, dtype=r.dtype("dv"), device=q.device)
+    # per tile, joined at the end (out of place, for torch.func's vmap)
+    dq = {i0: torch.zeros(B, H, bm, D, dtype=r.dtype("dq"), device=q.device) for i0, bm in _tiles(T, policy.block_m)}
+    dks, dvs = [], []
     for j0, bn in _tiles(k.shape[-2], policy.block_n):
         kj, vj = k[:, :, j0:j0 + bn], v[:, :, j0:j0 + bn]
-        dk_j = dk[:, :, j0:j0 + bn]
-        dv_j = dv[:, :, j0:j0 + bn]
+        dk_j = torch.zeros(*kj.shape, dtype=r.dtype("dk"), device=q.device)
+        dv_j = torch.zeros(*vj.shape, dtype=r.dtype("dv"), device=q.device)
         for i0, bm in _tiles(T, policy.block_m):
             if vis.skips(i0, bm, j0, bn):
                 continue
@@ -326,17 +328,20 @@ def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibi
                 ds = r.site("ds", r.up(ds) * (1 - capped * capped))
             ds_op = r.site("ds_operand", ds)
             dq_part = r.ew(lambda a: a * scale, r.mm(ds_op, kj, "dq_part"))
-            dq[:, :, i0:i0 + bm] = r.site("dq", r.ew(torch.add, dq[:, :, i0:i0 + bm], dq_part))
+            dq[i0] = r.site("dq", r.ew(torch.add, dq[i0], dq_part))
             dk_part = r.ew(lambda a: a * scale, r.mm(ds_op.transpose(-1, -2), qi, "dk_part"))
             dk_j = r.site("dk", r.ew(torch.add, dk_j, dk_part))
-        dk[:, :, j0:j0 + bn] = dk_j
-        dv[:, :, j0:j0 + bn] = dv_j
-    return dq, dk, dv
+        dks.append(dk_j)
+        dvs.append(dv_j)
+    return torch.cat(list(dq.values()), dim=2), torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
 
 
 class ReferenceAttention(torch.autograd.Function):
     """Autograd wrapper: the forward saves O (as the policy says) and the log-sum-exp; returns O and the natural-log
-    lse (B, H, T) fp32 (not differentiable)."""
+    lse (B, H, T) fp32 (not differentiable). In the `setup_context` form, with a generated vmap rule: torch.func's
+    transforms (grad, vjp, vmap) apply."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, scale, causal, policy, stabilize, stats, heads, mods):

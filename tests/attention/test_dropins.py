@@ -167,3 +167,35 @@ def test_kvcache_with_several_causal_queries_aligns_each_to_its_own_end():
         want, _ = _dense(q[b:b + 1].transpose(1, 2), k_cache[b:b + 1, :n].transpose(1, 2),
                          v_cache[b:b + 1, :n].transpose(1, 2), causal=True)
         assert torch.allclose(out[b:b + 1], want.transpose(1, 2))
+
+
+def test_the_reference_compiles_whole_exports_and_takes_torch_func():
+    """The reference path under torch.compile(fullgraph=True) with a window and key padding (no data-dependent
+    branch left), torch.export, and torch.func's grad and vmap: each the eager values."""
+    q, k, v = (_randn(2, 3, 24, 8, seed=i).float().requires_grad_() for i in range(3))
+    keep = torch.rand(2, 24, generator=torch.Generator().manual_seed(4)) > 0.2
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, precision="paper", backend="reference", window=(9, -1),
+                               key_padding_mask=keep).float().square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    eager, again = (torch.autograd.grad(fn(q, k, v), (q, k, v)) for fn in (f, compiled))
+    assert all(torch.equal(a, b) for a, b in zip(eager, again))
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flash_attention(q, k, v, precision="fp32", backend="reference")
+
+    inputs = tuple(t.detach() for t in (q, k, v))
+    exported = torch.export.export(Attention(), inputs)
+    assert torch.equal(exported.module()(*inputs), Attention()(*inputs))
+
+    def loss(q):
+        return flash_attention(q, k.detach(), v.detach(), precision="fp32", backend="reference").sum()
+
+    batch = torch.stack([inputs[0], inputs[0] * 0.5])
+    grads = torch.func.vmap(torch.func.grad(loss))(batch)
+    for one, grad in zip(batch, grads):
+        assert torch.allclose(grad, torch.func.grad(loss)(one))
