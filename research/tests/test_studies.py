@@ -295,3 +295,29 @@ def test_bias_vs_noise_runs_its_arms_finishes_and_applies_its_rule(tmp_path):
     assert verdict["manipulation_check_on_the_gpu"] in (True, False)
     assert set(verdict["errors"]) == {"B3-s0", "C3-s0"} and verdict["errors"]["B3-s0"]["steps"] == 2
     assert (out / "bias-vs-noise.png").exists() and "B3" in result.stdout
+
+
+def test_seed_scale_runs_ddp_on_two_processes_resumes_and_summarises(tmp_path):
+    """The seed-scale command on the CPU: torchrun with 2 processes (gloo) and the tiny config, 4 steps, then a
+    second call resumes the same run to 8; the summary holds every step's loss and gradient norm and the monitor's
+    per-head records; the projection prints hours for 1, 4 and 8 GPUs."""
+    script = str(ROOT / "research" / "seed_scale.py")
+    tiny = ["--config", "tiny-cpu", "--nproc", "2", "--set", "run.device=cpu", "--set", "data.dataset=shakespeare-char",
+            "--set", f"data.data_dir={tmp_path / 'data'}", "--set", "data.batch_size=2", "--set", "monitor.interval=2",
+            "--set", "model.vocab_size=256"]
+    for steps in (4, 8):
+        done = subprocess.run([sys.executable, script, "run", str(tmp_path / "scale"), "--steps", str(steps),
+                               "--budget-s", "240", *tiny], capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"{steps} steps on 2 process(es)" in done.stdout
+    config = (tmp_path / "scale" / "paper" / "config.toml").read_text()
+    assert "grad_accum = 8" in config and 'precision = "paper"' in config  # 16 accumulation steps over 2
+    subprocess.run([sys.executable, script, "summary", str(tmp_path / "scale"), str(tmp_path / "s.json")], check=True,
+                   capture_output=True, text=True, timeout=60)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["steps"] == list(range(1, 9)) and all(math.isfinite(x) for x in doc["loss"] + doc["grad_norm"])
+    assert [r["step"] for r in doc["monitor"]] == [1, 3, 5, 7]
+    assert len(doc["monitor"][0]["wq"]) == 2 and "biasable_rows" in doc["monitor"][0]["attention"][0]
+    shown = subprocess.run([sys.executable, script, "project", "--tokens-per-s", "350000"], capture_output=True,
+                           text=True, check=True).stdout
+    assert "1 GPU:" in shown and "8 GPUs:" in shown and "2.78" in shown  # 3.5e9 / 350000 / 3600 on one GPU

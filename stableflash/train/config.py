@@ -331,6 +331,9 @@ class RunConfig:
     """CPU threads for torch; 0: 1 under `deterministic` (CPU sums depend on the thread count), else half the
     cores, at most 4 (torch's default, every core, ran 9x slower on a busy 2-core machine)."""
     compile: bool = False
+    time_limit_s: float = 0.0
+    """> 0: stop with a checkpoint after this many seconds of training (every rank at the same step), to continue
+    with `--resume` in a later call; 0: no limit."""
     ddp_bucket_mb: float = 25.0
     """DDP's gradient bucket size (torch's default 25); under torch.compile each bucket splits the graph."""
     tensorboard: bool = False
@@ -346,6 +349,8 @@ class RunConfig:
             raise ValueError(f"run.dtype: expected bf16 or fp32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"run.device: expected auto, cpu or cuda, got {self.device!r}")
+        if self.time_limit_s < 0:
+            raise ValueError(f"run.time_limit_s: expected >= 0 (0: no limit), got {self.time_limit_s}")
         if not self.ddp_bucket_mb > 0:
             raise ValueError(f"run.ddp_bucket_mb: expected a positive size in MB, got {self.ddp_bucket_mb}")
 

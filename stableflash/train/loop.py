@@ -446,6 +446,7 @@ class Trainer:
             from tqdm.auto import tqdm
             progress = tqdm(total=cfg.run.max_steps, initial=self.step, unit="step", dynamic_ncols=True)
         stop_reason = "max_steps"
+        self._started = time.monotonic()
         with _StopSignal() as stop:
             while self.step < cfg.run.max_steps:
                 started = time.perf_counter()
@@ -484,7 +485,8 @@ class Trainer:
                 for event in self._from_main(events, every_rank=monitor_step):
                     self._intervene(event)
                 reason = self.monitor.check_loss(self.step, loss, cfg.optim.warmup_steps) if self.is_main else None
-                loss_stop, signalled = self._agree(reason is not None, stop.received is not None)
+                out_of_time = cfg.run.time_limit_s > 0 and time.monotonic() - self._started >= cfg.run.time_limit_s
+                loss_stop, signalled = self._agree(reason is not None, stop.received is not None or out_of_time)
                 if loss_stop:
                     if reason is not None:
                         self._log("events.jsonl", {"step": self.step, "kind": "stop", "reason": reason})
@@ -501,7 +503,8 @@ class Trainer:
                     if cfg.run.keep_interval_checkpoints and self.is_main:
                         self._keep_latest_as(f"checkpoint-{self.step:06d}.pt")
                 if signalled:
-                    stop_reason = f"signal {stop.received or 'on another rank'}"
+                    stop_reason = (f"signal {stop.received}" if stop.received else "time limit" if out_of_time
+                                   else "signal on another rank")
                     break
         if progress is not None:
             progress.close()

@@ -347,3 +347,10 @@ def test_overrides_that_cannot_apply_and_resume_with_out_are_errors(tmp_path, ti
     assert main(["train", "--config", "tiny-cpu", "--out", str(tmp_path / "big"), "--set", "run.progress=false"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "out of memory on cpu for a model of 2 layers" in err
+
+
+def test_a_time_limit_stops_with_a_checkpoint_that_resumes(tmp_path, tiny):
+    summary = train(tiny("run.max_steps=100000", "run.time_limit_s=1", "run.checkpoint_interval=0"), tmp_path / "r")
+    assert summary["stop_reason"] == "time limit" and 0 < summary["step"] < 100000
+    again = train(tiny(f"run.max_steps={summary['step'] + 2}"), tmp_path / "r", resume=True)
+    assert again == {**again, "step": summary["step"] + 2, "stop_reason": "max_steps"}
