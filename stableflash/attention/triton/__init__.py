@@ -86,12 +86,6 @@ def pick_tiles(shape: tuple[int, int, int, int], *, precision="fa2", stabilize=N
     return len(TILE_PICKS)
 
 
-def check(q: torch.Tensor, policy: Precision, stabilize) -> None:
-    """Raise a ValueError naming the argument the kernels cannot take."""
-    for pol in (policy.replace(head_override=None), *([policy.head_override[1]] if policy.head_override else [])):
-        spec_name(pol, stabilize, q.dtype, q.shape[-1], q.shape[-2])
-
-
 def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabilize=None,
               stats: AttentionStats | None = None, window: tuple[int, int] = (-1, -1),
               key_padding: torch.Tensor | None = None, segments: torch.Tensor | None = None,
