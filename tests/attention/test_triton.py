@@ -24,7 +24,11 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs a CUDA GPU or TRITON_INTERPRET=1"),
 ]
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from stableflash.attention.triton.emulation import _round_at  # noqa: E402
+
 DEVICE = "cpu" if INTERPRET else "cuda"
 # (B, H, T, D): odd lengths, ragged last tiles, several tiles per row
 SHAPES = [(2, 4, 77, 16), (1, 2, 130, 64)] if INTERPRET else [(2, 3, 77, 64), (1, 4, 513, 64), (2, 2, 1000, 128)]
@@ -206,13 +210,19 @@ def test_stochastic_rounding_of_o_and_delta_is_the_references_for_the_same_seed(
             assert (r != n).float().mean().item() > 0.05, what
 
 
+@triton.jit(do_not_specialize=["seed"])
+def _round_vector(X, Y, N, seed, CODE: tl.constexpr, SITE: tl.constexpr, BLOCK: tl.constexpr):
+    """Y = X rounded elementwise over N fp32 values as a site rounds them (element i at row i of head 0): the
+    emulation kernels' rounding alone."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N)
+    tl.store(Y + offs, _round_at(x, CODE, seed, SITE, 0, offs, 0, 0), mask=offs < N)
+
+
 def test_narrow_formats_round_as_the_reference_does_value_by_value():
     """The kernels' rounding to e8mX, toward zero and stochastic (bits from the element's position), on the fp32 bits,
     against `numerics.round_to` in float64 with the same noise: random values over the whole fp32 range, subnormals,
     the largest finite values, ±0 and ±inf."""
-    import triton
-
-    from stableflash.attention.triton.emulation import round_vector
     from stableflash.attention.triton.spec import FORMAT_CODES, MODE_CODES
     from stableflash.numerics.rounding import counter_bits, counter_noise, round_to
     g = torch.Generator().manual_seed(3)
@@ -227,7 +237,7 @@ def test_narrow_formats_round_as_the_reference_does_value_by_value():
         for mode in ("nearest", "toward_zero", "stochastic"):
             y = torch.empty_like(x)
             code = FORMAT_CODES[fmt] + 8 * MODE_CODES[mode]
-            round_vector[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), seed, CODE=code, SITE=site, BLOCK=1024)
+            _round_vector[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), seed, CODE=code, SITE=site, BLOCK=1024)
             noise = counter_noise(counter_bits(seed, site, torch.zeros(()), rows, torch.zeros(()), 0), fmt)
             want = round_to(x.cpu(), fmt, mode, noise=noise if mode == "stochastic" else None, dtype=torch.float32)
             same = (y.cpu() == want) | (y.cpu().isnan() & want.isnan())

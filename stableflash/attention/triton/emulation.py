@@ -124,15 +124,6 @@ def _round_at(x, CODE: tl.constexpr, seed, SITE: tl.constexpr, bh, row, col, til
     return x
 
 
-@triton.jit(do_not_specialize=["seed"])
-def round_vector(X, Y, N, seed, CODE: tl.constexpr, SITE: tl.constexpr, BLOCK: tl.constexpr):
-    """Y = X rounded elementwise over N fp32 values as a site rounds them, element i at row i of head 0: the kernels'
-    rounding alone, for the tests to check against `numerics.round_to`."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + offs, mask=offs < N)
-    tl.store(Y + offs, _round_at(x, CODE, seed, SITE, 0, offs, 0, 0), mask=offs < N)
-
-
 @triton.jit
 def _exp(x):
     """libdevice's expf (CUDA's exp, within 2 ulp), not the fast ex2.approx. The `add.rn` of +0 (an identity on exp's
