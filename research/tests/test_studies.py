@@ -128,7 +128,7 @@ def test_dose_response_runs_its_arms_resumes_them_and_applies_its_rule(tmp_path)
 
 def test_dose_response_divergence_rule():
     sys.path.insert(0, str(ROOT / "research"))
-    from dose_response import first_divergence
+    from study_runs import first_divergence
 
     assert first_divergence([5.0, 4.0, 3.0, 3.5, 3.9]) is None
     assert first_divergence([5.0, 4.0, 3.0, 4.0]) == 3  # 1.0 above the best so far
@@ -137,7 +137,7 @@ def test_dose_response_divergence_rule():
 
 def test_dose_response_names_the_diverging_step_as_the_metrics_count_it(tmp_path):
     sys.path.insert(0, str(ROOT / "research"))
-    from dose_response import summarise_run
+    from study_runs import summarise_run
 
     run = tmp_path / "run"
     run.mkdir()
