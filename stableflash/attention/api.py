@@ -270,20 +270,24 @@ def _split_attn_mask(attn_mask, q, k):
 
 
 def _sdpa(q, k, v, scale, vis: Visibility, bias):
-    """torch's SDPA with our masks as one dense mask (its own `is_causal` where causality is the only one)."""
+    """torch's SDPA with our masks as one dense mask (its own `is_causal` where causality is the only one). A row
+    that sees no key gives O = 0 and zero gradients, as in the other backends (SDPA alone gives NaN): it is shown
+    its first key, and its output replaced by 0 (so no gradient reaches that key)."""
     only_causal = (vis.causal and vis.q_len == vis.k_len and vis.window == (-1, -1) and vis.key_padding is None
                    and vis.dense is None and bias is None)
     if only_causal or not (vis.banded or vis.key_padding is not None or vis.dense is not None or bias is not None):
         return _TORCH_SDPA(q, k, v, is_causal=only_causal, scale=scale)
     hidden = vis.hidden(0, q.shape[-2], 0, k.shape[-2], q.device)
-    mask = None
+    mask, empty = None, None
     if hidden is not None:
-        if hidden.all(-1).any():
-            raise ValueError("backend: 'sdpa' gives NaN where a query sees no key; use 'reference' or 'math'")
-        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, -math.inf)
+        empty = hidden.all(-1, keepdim=True)
+        first = torch.arange(k.shape[-2], device=q.device) == 0
+        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden & ~(empty & first),
+                                                                                     -math.inf)
     if bias is not None:
         mask = bias.to(q.dtype) if mask is None else mask + bias.to(q.dtype)
-    return _TORCH_SDPA(q, k, v, attn_mask=mask, scale=scale)
+    out = _TORCH_SDPA(q, k, v, attn_mask=mask, scale=scale)
+    return out if empty is None else out.masked_fill(empty, 0.0)
 
 
 @torch.compiler.assume_constant_result

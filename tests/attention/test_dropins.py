@@ -199,3 +199,16 @@ def test_the_reference_compiles_whole_exports_and_takes_torch_func():
     grads = torch.func.vmap(torch.func.grad(loss))(batch)
     for one, grad in zip(batch, grads):
         assert torch.allclose(grad, torch.func.grad(loss)(one))
+
+
+def test_a_row_that_sees_no_key_is_zero_with_zero_gradients_on_the_sdpa_backend_too():
+    """SDPA alone gives NaN where a mask hides every key of a row (left padding does that); through stableflash's
+    'sdpa' backend the row gives O = 0 and its gradients stay finite, as on the reference."""
+    q, k, v = (_randn(2, 2, 5, 8, seed=i).float().requires_grad_() for i in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask[2] = False
+    fast = sdpa(q, k, v, attn_mask=mask, backend="sdpa")
+    exact = sdpa(q, k, v, attn_mask=mask, precision="fp32", backend="reference")
+    assert torch.allclose(fast, exact, atol=1e-6) and (fast[:, :, 2] == 0).all()
+    grads, want = (torch.autograd.grad(o.sum(), (q, k, v)) for o in (fast, exact))
+    assert all(torch.isfinite(g).all() and torch.allclose(g, w, atol=1e-5) for g, w in zip(grads, want))
