@@ -10,12 +10,11 @@ verdict by the rule written before the run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 
-from study_runs import checkpoint_before, collect, growth_layer, pack, run_arms, run_commands
+from study_runs import checkpoint_before, collect, dispatch, growth_layer, run_arms, run_commands, study_parser
 
 PV_PATH = "pbar_operand,pv,acc_scaled,acc"
 
@@ -276,29 +275,11 @@ def draw_figures(out: Path, arms: dict[str, list[dict]]) -> Path:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--config", default="study-6l")
+    parser, r, _ = study_parser(__doc__.splitlines()[0], finish_budget_s=240.0)
     r.add_argument("--arms", default=",".join(ARMS))
     r.add_argument("--seeds", default="0,1,2")
-    r.add_argument("--budget-s", type=float, default=540.0)
     r.add_argument("--steps", type=int, default=3000, help="train every run to this step (a later call may raise it)")
-    r.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
-    f = sub.add_parser("finish")
-    f.add_argument("out", type=Path)
-    f.add_argument("--budget-s", type=float, default=240.0)
-    s = sub.add_parser("summarise")
-    s.add_argument("out", type=Path)
-    p = sub.add_parser("pack")
-    p.add_argument("out", type=Path)
-    p.add_argument("archive", type=Path)
-    args = parser.parse_args()
-    if args.command == "pack":
-        pack(args.out, args.archive)
-        return
-    {"run": run, "finish": finish, "summarise": summarise}[args.command](args)
+    dispatch(parser.parse_args(), run=run, finish=finish, summarise=summarise)
 
 
 if __name__ == "__main__":

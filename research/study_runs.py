@@ -7,6 +7,7 @@ A run is a folder `OUT/runs/{arm}-s{seed}` made by `stableflash train`; an arm i
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shlex
@@ -162,3 +163,32 @@ def pack(out: Path, archive: Path) -> None:
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(out, arcname=out.name, filter=small)
     print(f"wrote {archive} ({archive.stat().st_size / 1e6:.1f} MB)")
+
+
+def study_parser(description: str, *, finish_budget_s: float):
+    """The studies' command line: `run` (each study adds its own options to the returned run parser), `finish OUT`,
+    `summarise OUT` (its parser returned too) and `pack OUT ARCHIVE`. Returns (parser, run, summarise)."""
+    parser = argparse.ArgumentParser(description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run")
+    run.add_argument("--out", type=Path, required=True)
+    run.add_argument("--config", default="study-6l")
+    run.add_argument("--budget-s", type=float, default=540.0)
+    run.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
+    finish = sub.add_parser("finish")
+    finish.add_argument("out", type=Path)
+    finish.add_argument("--budget-s", type=float, default=finish_budget_s)
+    summarise = sub.add_parser("summarise")
+    summarise.add_argument("out", type=Path)
+    pack_parser = sub.add_parser("pack")
+    pack_parser.add_argument("out", type=Path)
+    pack_parser.add_argument("archive", type=Path)
+    return parser, run, summarise
+
+
+def dispatch(args, **commands) -> None:
+    """Run the parsed command: `pack` here, the others by name from `commands`."""
+    if args.command == "pack":
+        pack(args.out, args.archive)
+    else:
+        commands[args.command](args)

@@ -14,8 +14,7 @@ from stableflash.attention.mask import ScoreMods, Visibility
 from stableflash.attention.precision import Precision, resolve
 from stableflash.attention.reference import reference_attention
 from stableflash.attention.stabilize import check_stabilize
-from stableflash.attention.stats import AttentionStats, tail_limit
-from stableflash.attention.stats import biasable as biasable_tile
+from stableflash.attention.stats import AttentionStats, biasable_in_tile, tail_limit
 from stableflash.numerics.formats import get_format
 
 BACKENDS = ("auto", "reference", "triton", "math", "sdpa")
@@ -86,7 +85,7 @@ def _math_attention(q, k, v, scale, vis: Visibility, stats, mods: ScoreMods | No
         ones = (pbar == 1).sum(-1)
         # one tile, P̄V in the inputs' dtype
         limit = tail_limit(get_format(q.dtype).fraction_bits)
-        biasable = biasable_tile(ones, pbar.float().sum(-1) - ones, limit)
+        biasable = biasable_in_tile(ones, pbar.float().sum(-1) - ones, limit)
         stats.add(slice(None), rows=B * T, repeated_max_rows=repeated.sum(dim=(0, 2)), pbar_ones=ones.sum(dim=(0, 2)),
                   max_score=finite.float().amax(dim=(0, 2, 3)),
                   repeated_max_rows_positive=(repeated & (rm.squeeze(-1) > 0)).sum(dim=(0, 2)),

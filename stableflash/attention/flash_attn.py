@@ -51,8 +51,8 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None
     _refuse_unsupported(dropout_p, alibi_slopes)
     result = flash_attention(q, k, v, causal=causal, scale=softmax_scale, window=_window(window_size), layout="bthd",
                              softcap=softcap, precision=precision, stabilize=stabilize, stats=stats, backend=backend,
-                             return_lse=return_attn_probs)
-    return _with_lse(*result, True) if return_attn_probs else result
+                             return_lse=return_attn_probs)  # the log-sum-exp only when asked: "sdpa" cannot give it
+    return (*result, None) if return_attn_probs else result
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,

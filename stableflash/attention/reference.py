@@ -31,8 +31,7 @@ import torch
 from stableflash.attention.mask import ScoreMods, Visibility
 from stableflash.attention.precision import SITE_INDEX, Precision, rounds_backward_stochastically
 from stableflash.attention.stabilize import SFA, ClampPbar
-from stableflash.attention.stats import AttentionStats, tail_limit
-from stableflash.attention.stats import biasable as biasable_tile
+from stableflash.attention.stats import AttentionStats, biasable_in_tile, tail_limit
 from stableflash.numerics.formats import get_format
 from stableflash.numerics.rounding import counter_bits, counter_noise, draw_seed, round_to
 
@@ -226,7 +225,7 @@ def forward(q, k, v, *, scale: float, causal: bool | Visibility, policy: Precisi
                 tile_ones = (pbar_op == 1).sum(-1, keepdim=True)
                 ones += tile_ones.sum(dim=(0, 2, 3))
                 tail = r.up(pbar_op).float().sum(-1, keepdim=True) - tile_ones
-                biasable[:, :, i0:i0 + bm] |= biasable_tile(tile_ones, tail, limit)
+                biasable[:, :, i0:i0 + bm] |= biasable_in_tile(tile_ones, tail, limit)
             tile_sum = r.site("tile_sum", r.up(pbar).sum(-1, keepdim=True), (i0, 0, t))
             if policy.tile_sum_clamp is not None:
                 tile_sum = tile_sum.clamp(min=policy.tile_sum_clamp)

@@ -27,7 +27,7 @@ def tail_limit(pv_fraction_bits: int) -> float:
     return 0.0 if pv_fraction_bits >= 23 else 2.0 ** -(pv_fraction_bits + 1)
 
 
-def biasable(ones: torch.Tensor, tail: torch.Tensor, limit: float) -> torch.Tensor:
+def biasable_in_tile(ones: torch.Tensor, tail: torch.Tensor, limit: float) -> torch.Tensor:
     """Rows of one tile whose P̄V sum rounds with the seed's bias: at least two P̄ = 1 (`ones`), and the rest of the
     tile's P̄ mass (`tail`) between `TAIL_FLOOR` and `limit` (`tail_limit`) per such entry."""
     return (ones >= 2) & (tail >= ones * TAIL_FLOOR) & (tail < ones * limit)

@@ -21,7 +21,7 @@ from stableflash.attention.precision import Precision, resolve
 from stableflash.attention.reference import split_heads
 from stableflash.attention.stats import AttentionStats
 from stableflash.attention.triton.options import KernelOptions, kernel_options, set_kernel_options
-from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, spec_name, unsupported_reason
+from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, spec_name, spec_named, unsupported_reason
 
 __all__ = ["attention", "supports", "supports_policy", "supports_masks", "pick_tiles", "tile_picks_state_dict",
            "load_tile_picks", "HEAD_DIMS", "KernelOptions", "kernel_options", "set_kernel_options"]
@@ -41,8 +41,6 @@ def supports_masks(policy: Precision, stabilize, dtype: torch.dtype, head_dim: i
     """Whether the kernels run Tk != Tq, windows and key padding under `policy` (any policy they run, without a
     per-head override), and with `packed` a packed batch of sequences in one call (production FA2 numerics only:
     the reference has no packed form to be bit-equal to, so emulated policies take one call per sequence)."""
-    from stableflash.attention.triton.spec import spec_named
-
     if not (head_dim in HEAD_DIMS and dtype in INPUT_DTYPES and policy.head_override is None
             and supports_policy(policy, stabilize, dtype)):
         return False
@@ -110,8 +108,6 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
 
 def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band):
     from stableflash.attention.triton import ops
-    from stableflash.attention.triton.spec import spec_named
-
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")

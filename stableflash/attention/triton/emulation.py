@@ -21,6 +21,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from stableflash.attention.precision import SITE_INDEX
+from stableflash.attention.stats import TAIL_FLOOR
 from stableflash.attention.triton.common import (
     _INTERPRET,
     BIASABLE,
@@ -47,6 +48,7 @@ from stableflash.attention.triton.common import (
 _PBAR_OP, _PV, _ACC_SCALED, _ACC = (tl.constexpr(SITE_INDEX[s]) for s in ("pbar_operand", "pv", "acc_scaled", "acc"))
 _TILE_SUM, _ROW_SUM, _ROW_SUM_SAVED = (tl.constexpr(SITE_INDEX[s]) for s in ("tile_sum", "row_sum", "row_sum_saved"))
 _OUT, _DELTA_TERMS, _DELTA = (tl.constexpr(SITE_INDEX[s]) for s in ("out", "delta_terms", "delta"))
+_TAIL_FLOOR = tl.constexpr(TAIL_FLOOR)  # a biasable row's least tail per P̄ = 1 (`stats.biasable_in_tile`)
 
 
 @triton.jit
@@ -307,7 +309,7 @@ def attn_fwd(
             ones += tile_ones
             tail = operand_sum - tile_ones.to(tl.float32)
             n = tile_ones.to(tl.float32)
-            biasable = (tile_ones >= 2) & (tail >= n * 5.9604644775390625e-08) & (tail < n * TAIL_LIMIT)  # `stats.TAIL_FLOOR`
+            biasable = (tile_ones >= 2) & (tail >= n * _TAIL_FLOOR) & (tail < n * TAIL_LIMIT)
             flags = flags | (biasable.to(tl.int32) * BIASABLE)
         t = lt // LT  # the logical key tile's ordinal: stochastic rounding's counter
         rows, cols = offs_m[:, None], tl.arange(0, HEAD_DIM)[None, :]
