@@ -528,8 +528,10 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, replay
         if dist.is_initialized():
             dist.barrier()  # every rank past its last collective before any tears its group down
         return summary
+    except (FileExistsError, BlockingIOError):  # the folder holds another run, or another process holds it
+        raise
     except BaseException:
-        if not resume:
+        if not resume and int(os.environ.get("RANK", "0")) == 0:  # rank 0 wrote the files
             _remove_unstarted(run_dir, remove_folder=not existed)
         raise
     finally:

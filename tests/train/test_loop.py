@@ -354,3 +354,14 @@ def test_a_time_limit_stops_with_a_checkpoint_that_resumes(tmp_path, tiny):
     assert summary["stop_reason"] == "time limit" and 0 < summary["step"] < 100000
     again = train(tiny(f"run.max_steps={summary['step'] + 2}"), tmp_path / "r", resume=True)
     assert again == {**again, "step": summary["step"] + 2, "stop_reason": "max_steps"}
+
+
+def test_a_run_refused_a_folder_holding_another_run_leaves_that_run_alone(tmp_path, tiny):
+    """The cleanup after a failed start removes only what this run wrote: a folder that already holds a run (here
+    without a checkpoint yet) keeps every file when the new run is refused it."""
+    folder = tmp_path / "held"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        train(tiny("run.max_steps=2"), folder)
+    assert (folder / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
