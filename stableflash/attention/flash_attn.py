@@ -169,15 +169,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k_cache, v_cache: (B_cache, Tmax, H_kv, D), or with `block_table` (B, pages) pages of (num_pages, page_size,
     H_kv, D). `cache_seqlens` (an int or (B,) ints; default: the whole cache) is how many keys each sequence holds;
     new `k`, `v` (B, Tnew, H_kv, D) are written into the cache in place at those positions first, and then seen.
-    `cache_batch_idx` picks each sequence's cache row. Causal is aligned to each sequence's own last key. One call
-    of the attention where the sequences hold as many keys, or where one query each (decoding) or no causality
-    lets their lengths be key padding; else a call per sequence. Rotary embeddings and `cache_leftpad` are not
-    supported (pass None). Returns (B, Tq, H, D), with `return_softmax_lse` also the log-sum-exp (B, H, Tq)."""
+    `cache_leftpad` (B,) ints: each sequence's keys start there (the positions before it are padding).
+    `cache_batch_idx` picks each sequence's cache row. With `rotary_cos`, `rotary_sin` ((positions, R / 2), R <= D)
+    the first R dims of the new keys are rotated at their positions (cache_seqlens, cache_seqlens + 1, ...) before
+    they are written, and those of q at the same positions when causal or windowed, else all at cache_seqlens (the
+    pairs are (x[2i], x[2i + 1]) with `rotary_interleaved`, else (x[i], x[i + R/2])). Causal is aligned to each
+    sequence's own last key. One call of the attention where the sequences see as many keys, or where one query each
+    (decoding) or no causality lets their lengths be key padding; else a call per sequence. `num_splits` is a
+    speed hint of flash-attn's kernel, taken and ignored. Returns (B, Tq, H, D), with `return_softmax_lse` also the
+    log-sum-exp (B, H, Tq)."""
     _refuse_unsupported(0.0, alibi_slopes)
-    if rotary_cos is not None or rotary_sin is not None:
-        raise ValueError("rotary_cos, rotary_sin: rotary embeddings are not applied here; rotate q and k first")
-    if cache_leftpad is not None:
-        raise ValueError("cache_leftpad: not supported; pass None")
     _check_rank("q", q, 4, "(B, Tq, H, D)")
     B, Tq = q.shape[:2]
     rows = torch.arange(B, device=q.device) if cache_batch_idx is None else cache_batch_idx.to(q.device).long()
@@ -187,36 +188,101 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         _check_rank("block_table", block_table, 2, "(B, pages)")
         capacity = block_table.shape[1] * k_cache.shape[1]
-    lengths = _cache_lengths(cache_seqlens, B, capacity, q.device)
+    lengths = _cache_lengths(cache_seqlens, B, capacity, q.device, paged=block_table is not None)
     new = 0 if k is None else k.shape[1]
     if (k is None) != (v is None):
         raise ValueError("k, v: pass both new keys and values, or neither")
+    window = _window(window_size)
+    if rotary_cos is not None or rotary_sin is not None:
+        rotary = _Rotary.checked(rotary_cos, rotary_sin, q.shape[-1], rotary_interleaved)
+        if k is not None:
+            k = rotary(k, lengths[:, None] + torch.arange(new, device=q.device))
+        aligned = causal or window != (-1, -1)  # q's rows at their own positions, else all at the cache's end
+        offsets = torch.arange(Tq, device=q.device) if aligned else torch.zeros(Tq, dtype=torch.long, device=q.device)
+        q = rotary(q, lengths[:, None] + offsets)
     if k is not None:
         if (lengths + new > capacity).any():
-            raise ValueError(f"k: {new} new keys do not fit the cache's {capacity} positions after {lengths.tolist()}")
+            raise CacheBoundsError(f"k: {new} new keys do not fit the cache's {capacity} positions (block_table's "
+                                   f"pages times their size when paged) after {lengths.tolist()}")
         _write_into_cache(k_cache, v_cache, k, v, rows, lengths, block_table)
     seen = lengths + new
+    first = _cache_starts(cache_leftpad, B, seen, q.device)
     keys, values = _gathered_cache(k_cache, v_cache, rows, block_table, int(seen.max()))
-    common = dict(causal=causal, scale=softmax_scale, window=_window(window_size), layout="bthd", softcap=softcap,
+    common = dict(causal=causal, scale=softmax_scale, window=window, layout="bthd", softcap=softcap,
                   precision=precision, stabilize=stabilize, stats=stats, backend=backend, return_lse=True)
-    if bool((seen == seen[0]).all()):  # one length: one call, causal to the cache's end
+    if cache_leftpad is None and bool((seen == seen[0]).all()):  # one length: one call, causal to the cache's end
         out, lse = flash_attention(q, keys, values, **common)
-    elif (Tq == 1 or not causal) and common["window"] == (-1, -1):  # the lengths as key padding: one call
-        padding = torch.arange(keys.shape[1], device=q.device)[None, :] < seen[:, None]
+    elif (Tq == 1 or not causal) and window == (-1, -1):  # the lengths as key padding: one call
+        positions = torch.arange(keys.shape[1], device=q.device)[None, :]
+        padding = (positions < seen[:, None]) & (positions >= first[:, None])
         out, lse = flash_attention(q, keys, values, key_padding_mask=padding, **common)
     else:  # causal or windowed rows of several queries align to each sequence's own end: a call each
-        parts = [flash_attention(q[b:b + 1], keys[b:b + 1, :int(seen[b])], values[b:b + 1, :int(seen[b])], **common)
-                 for b in range(B)]
+        parts = [_one_sequence(q[b:b + 1], keys[b:b + 1, int(first[b]):int(seen[b])],
+                               values[b:b + 1, int(first[b]):int(seen[b])], common) for b in range(B)]
         out, lse = torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     return (out, lse) if return_softmax_lse else out
 
 
-def _cache_lengths(cache_seqlens, batch: int, capacity: int, device) -> torch.Tensor:
+class CacheBoundsError(ValueError, RuntimeError):
+    """Cache positions past what the cache (or its block table) holds: a ValueError, as this library's argument
+    errors are, and a RuntimeError, as flash-attn raises it, so that code written for either catches it."""
+
+
+class _Rotary:
+    """Rotary embeddings of flash-attn's kv-cache call: the first R = 2 · cos.shape[1] dims of x rotated by the
+    angles of given positions, in fp32 (or x's wider dtype), cast back to x's dtype."""
+
+    def __init__(self, cos, sin, interleaved: bool):
+        self.cos, self.sin, self.interleaved = cos, sin, interleaved
+
+    @classmethod
+    def checked(cls, cos, sin, head_dim: int, interleaved: bool) -> "_Rotary":
+        if cos is None or sin is None or cos.dim() != 2 or cos.shape != sin.shape:
+            raise ValueError("rotary_cos, rotary_sin: expected both, of one shape (positions, R / 2)")
+        if 2 * cos.shape[1] > head_dim:
+            raise ValueError(f"rotary_cos: rotates {2 * cos.shape[1]} dims, more than the head dim {head_dim}")
+        return cls(cos, sin, interleaved)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, T, H, D) with its token t of sequence b at positions[b, t]."""
+        if int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"rotary_cos: {self.cos.shape[0]} positions, but position {int(positions.max())} is "
+                             "rotated")
+        r = 2 * self.cos.shape[1]
+        wide = torch.promote_types(x.dtype, torch.float32)
+        cos, sin = (t[positions.long()].to(wide)[:, :, None, :] for t in (self.cos, self.sin))  # (B, T, 1, R/2)
+        head = x[..., :r].to(wide)
+        x1, x2 = (head[..., 0::2], head[..., 1::2]) if self.interleaved else head.chunk(2, dim=-1)
+        y1, y2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+        rotated = torch.stack((y1, y2), dim=-1).flatten(-2) if self.interleaved else torch.cat((y1, y2), dim=-1)
+        return torch.cat((rotated.to(x.dtype), x[..., r:]), dim=-1)
+
+
+def _one_sequence(q, keys, values, common):
+    if keys.shape[1] == 0:  # no key to see: O = 0, lse = -inf, as a fully masked row elsewhere
+        return torch.zeros_like(q), torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"),
+                                               device=q.device)
+    return flash_attention(q, keys, values, **common)
+
+
+def _cache_starts(cache_leftpad, batch: int, seen: torch.Tensor, device) -> torch.Tensor:
+    """Each sequence's first key: its `cache_leftpad`, else 0."""
+    if cache_leftpad is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    starts = torch.as_tensor(cache_leftpad, device=device).long().reshape(-1)
+    if starts.numel() != batch or (starts < 0).any() or (starts > seen).any():
+        raise ValueError(f"cache_leftpad: expected {batch} starts, each 0..its sequence's length {seen.tolist()}")
+    return starts
+
+
+def _cache_lengths(cache_seqlens, batch: int, capacity: int, device, paged: bool) -> torch.Tensor:
     if cache_seqlens is None:
         return torch.full((batch,), capacity, dtype=torch.long, device=device)
     lengths = torch.as_tensor(cache_seqlens, device=device).long().reshape(-1).expand(batch)
     if (lengths < 0).any() or (lengths > capacity).any():
-        raise ValueError(f"cache_seqlens: expected 0..{capacity}, got {lengths.tolist()}")
+        held = "block_table's pages hold" if paged else "the cache holds"
+        raise CacheBoundsError(f"cache_seqlens: expected 0..{capacity} ({held} {capacity} positions), got "
+                               f"{lengths.tolist()}")
     return lengths
 
 

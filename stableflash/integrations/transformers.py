@@ -6,9 +6,9 @@
 
 `"stableflash"` computes FA2's numerics, `"stableflash_sfa"` adds stabilized flash attention (the bounded rule, which
 the fused kernels run). Both take flash-attn's masks from `transformers`: a (B, Tk) padding mask or none, packed
-sequences through `position_ids` that restart at 0 (batch size 1), and a sliding-window model's `sliding_window`, so
-they honour padding, packing and windows as `flash_attention_2` does. GQA's k and v arrive with their own head count
-and are never repeated in memory by us.
+sequences through `position_ids` that restart at 0 (batch size 1), a sliding-window model's `sliding_window` and
+Gemma 2's `softcap`, so they honour padding, packing, windows and caps as `flash_attention_2` does. GQA's k and v
+arrive with their own head count and are never repeated in memory by us.
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ def _make_forward(stabilize, precision_default: str = "fa2", backend: str = "aut
         if dropout:
             raise ValueError(f"dropout: stableflash attention has no dropout (got {dropout}); set the model's "
                              "attention dropout to 0")
-        if kwargs.get("softcap") is not None:
-            raise ValueError("softcap: not supported by stableflash attention")
+        softcap = kwargs.get("softcap") or 0.0  # Gemma 2's attention logit cap
         if kwargs.get("s_aux") is not None:
             raise ValueError("s_aux: attention sinks are not supported by stableflash attention")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -78,11 +77,12 @@ def _make_forward(stabilize, precision_default: str = "fa2", backend: str = "aut
         if offsets is not None and query.shape[0] == 1:
             out = flash_attn_varlen_func(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                          offsets, key_offsets, query.shape[2], key.shape[2], softmax_scale=scaling,
-                                         causal=causal, window_size=window or (-1, -1), precision=precision,
-                                         stabilize=stabilize_here, stats=stats, backend=backend)
+                                         causal=causal, window_size=window or (-1, -1), softcap=softcap,
+                                         precision=precision, stabilize=stabilize_here, stats=stats, backend=backend)
             return out[None], None
         out = flash_attention(query, key, value, causal=causal, scale=scaling, key_padding_mask=keep, window=window,
-                              stabilize=stabilize_here, precision=precision, stats=stats, backend=backend)
+                              softcap=softcap, stabilize=stabilize_here, precision=precision, stats=stats,
+                              backend=backend)
         return out.transpose(1, 2).contiguous(), None
 
     return stableflash_attention_forward

@@ -152,8 +152,75 @@ def test_kvcache_writes_the_new_keys_in_place_and_attends_to_each_sequences_own(
         values = torch.cat([history[b][1][:n], new_v[b]])
         want, want_lse = _dense(q[b:b + 1].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2))
         assert torch.allclose(out[b:b + 1], want.transpose(1, 2)) and torch.allclose(lse[b], want_lse[0]), b
-    with pytest.raises(ValueError, match="rotary"):
+    with pytest.raises(ValueError, match="rotary_cos, rotary_sin"):
         flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=torch.ones(1))
+
+
+def _rotated_as_complex(x, angles, interleaved):
+    """x (T, H, D) with its first 2·angles.shape[1] dims rotated by e^{i·angle} (angles (T, R/2)), the pairs
+    taken as complex numbers: the rotation's definition, independent of the library's sin/cos form."""
+    r = 2 * angles.shape[1]
+    head = x[..., :r]
+    pairs = head.unflatten(-1, (r // 2, 2)) if interleaved else torch.stack(head.chunk(2, dim=-1), dim=-1)
+    turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * torch.polar(torch.ones_like(angles),
+                                                                                          angles)[:, None])
+    turned = turned.flatten(-2) if interleaved else torch.cat(turned.unbind(-1), dim=-1)
+    return torch.cat([turned, x[..., r:]], dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_rotates_new_keys_and_queries_at_their_positions(interleaved, causal):
+    B, T, H, D, R, new = 2, 16, 2, 12, 8, 3
+    angles = _randn(T, R // 2, seed=5) * math.pi
+    k_cache, v_cache = _randn(B, T, H, D, seed=6), _randn(B, T, H, D, seed=7)
+    before = k_cache.clone()
+    lengths = torch.tensor([2, 9])
+    new_k, new_v, q = _randn(B, new, H, D, seed=8), _randn(B, new, H, D, seed=9), _randn(B, new, H, D, seed=10)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                                  cache_seqlens=lengths, causal=causal, rotary_interleaved=interleaved, **EXACT)
+    for b in range(B):
+        n = int(lengths[b])
+        at = torch.arange(n, n + new)
+        want_k = _rotated_as_complex(new_k[b], angles[at], interleaved)
+        assert torch.allclose(k_cache[b, n:n + new], want_k) and torch.equal(k_cache[b, :n], before[b, :n]), b
+        # causal: each query at its own position; else every query at the cache's end
+        q_at = at if causal else torch.full((new,), n)
+        want_q = _rotated_as_complex(q[b], angles[q_at], interleaved)
+        keys, values = k_cache[b, :n + new], v_cache[b, :n + new]
+        want, _ = _dense(want_q[None].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
+                         causal=causal)
+        assert torch.allclose(out[b], want[0].transpose(0, 1)), b
+
+
+def test_kvcache_left_padding_starts_each_sequence_at_its_own_first_key():
+    B, T, H, D = 3, 12, 2, 8
+    k_cache, v_cache = _randn(B, T, H, D, seed=11), _randn(B, T, H, D, seed=12)
+    lengths, starts = torch.tensor([6, 11, 4]), torch.tensor([2, 0, 1])
+    q = _randn(B, 3, H, D, seed=13)
+    for causal, Tq in ((True, 3), (True, 1), (False, 3)):  # a call per sequence, and the key-padding call
+        out = flash_attn_with_kvcache(q[:, :Tq], k_cache, v_cache, cache_seqlens=lengths, cache_leftpad=starts,
+                                      causal=causal, **EXACT)
+        for b in range(B):
+            keys, values = (c[b:b + 1, int(starts[b]):int(lengths[b])].transpose(1, 2) for c in (k_cache, v_cache))
+            want, _ = _dense(q[b:b + 1, :Tq].transpose(1, 2), keys, values, causal=causal)
+            assert torch.allclose(out[b:b + 1], want.transpose(1, 2)), (causal, Tq, b)
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_leftpad=torch.tensor([7, 0, 0]),
+                                **EXACT)
+
+
+def test_kvcache_positions_past_the_cache_are_an_error_flash_attn_code_catches():
+    """flash-attn raises a RuntimeError here and this library a ValueError: the error is both."""
+    pool = torch.zeros(4, 8, 1, 4, dtype=torch.float64)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    q = torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_with_kvcache(q, pool, pool, cache_seqlens=torch.tensor([9]), block_table=table, **EXACT)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_with_kvcache(q, pool, pool, k=q, v=q, cache_seqlens=torch.tensor([8]), block_table=table, **EXACT)
+    assert flash_attn_with_kvcache(q, pool, pool, cache_seqlens=torch.tensor([8]), block_table=table,
+                                   **EXACT).shape == q.shape
 
 
 def test_kvcache_with_several_causal_queries_aligns_each_to_its_own_end():

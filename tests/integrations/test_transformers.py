@@ -1,11 +1,19 @@
-"""stableflash inside a `transformers` model: tiny Llama (GQA) and GPT-2 built in code, against `sdpa`."""
+"""stableflash inside a `transformers` model: tiny Llama (GQA), Mistral (a window), Qwen2 (biased projections),
+Gemma 2 (softcap, alternating windows) and GPT-2 built in code, against `sdpa`."""
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
 
 from stableflash.integrations.transformers import register  # noqa: E402
 
@@ -15,9 +23,20 @@ CONFIGS = {
     "mistral-window": lambda: MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                             sliding_window=5),
+    "qwen2": lambda: Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "gemma2-softcap": lambda: Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           max_position_embeddings=64, sliding_window=6, attn_logit_softcapping=5.0,
+                                           query_pre_attn_scalar=16, initializer_range=0.5),
     "gpt2": lambda: GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
                                resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0),
 }
+
+
+def _baseline(name):
+    """`sdpa`, or `eager` for Gemma 2, which transformers runs without SDPA (SDPA has no softcap)."""
+    return "eager" if name.startswith("gemma2") else "sdpa"
 
 
 def _model(name, impl, seed=1):
@@ -41,13 +60,31 @@ def test_logits_and_gradients_match_sdpa_with_padding(name, impl):
     mask[2, :4] = 0  # left padding
     real = mask.bool()
     results = {}
-    for which in ("sdpa", impl):
+    baseline = _baseline(name)
+    for which in (baseline, impl):
         model = _model(name, which)
         logits = model(input_ids=ids, attention_mask=mask).logits
         logits[real].float().square().mean().backward()
         results[which] = logits.detach()[real], torch.cat([p.grad.flatten() for p in model.parameters()])
-    assert _rel(results[impl][0], results["sdpa"][0]) < 1e-5
-    assert _rel(results[impl][1], results["sdpa"][1]) < 1e-4
+    assert _rel(results[impl][0], results[baseline][0]) < 1e-5
+    assert _rel(results[impl][1], results[baseline][1]) < 1e-4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generation_matches_sdpa_token_for_token(name):
+    """20 new tokens from a left-padded batch, through the cache (one query against the cached keys each step)."""
+    register()
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding, as generation pads
+    tokens = {}
+    baseline = _baseline(name)
+    for which in (baseline, "stableflash"):
+        model = _model(name, which).eval()
+        model.generation_config.pad_token_id = 0
+        tokens[which] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                                       min_new_tokens=20)
+    assert torch.equal(tokens["stableflash"], tokens[baseline])
 
 
 def test_packed_sequences_attend_within_each_sequence():

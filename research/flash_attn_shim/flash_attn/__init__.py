@@ -1,0 +1,22 @@
+"""A stand-in `flash_attn` package whose functions are stableflash's, for running flash-attn's own tests against them.
+
+`research/flash_attn_tests.sh` puts this folder first on the path. The upstream modules the tests import besides the
+attention functions (`bert_padding`, `layers.rotary` and its Triton kernel) are read from a flash-attn checkout
+named by FLASH_ATTN_REPO, run as an outside oracle and never copied here.
+"""
+
+import os
+
+from stableflash.attention.flash_attn import (  # noqa: F401
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
+
+_upstream = os.environ.get("FLASH_ATTN_REPO")
+if _upstream:  # submodules not found here come from the checkout's package
+    __path__.append(os.path.join(_upstream, "flash_attn"))

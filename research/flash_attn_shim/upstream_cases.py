@@ -1,0 +1,61 @@
+"""A pytest plugin for flash-attn's `tests/test_flash_attn.py` run against the stand-in package: which cases run.
+
+Deselected, each counted in the summary line pytest prints:
+- cases with dropout (`dropout_p` > 0) or ALiBi (`alibi` True): stableflash supports neither and refuses them;
+- tests of flash-attn's compiled extension's private entry points (`_flash_attn_varlen_forward`,
+  `flash_attn_gpu.fwd`), which are not part of its Python API;
+- with `--upstream-sample N`, all but one case in N of each test function, picked by a hash of the case's id (the
+  same cases on every run), where the function has more than `--upstream-whole` cases in scope (those run whole).
+
+The summary names, per test function, the cases in scope and the cases run; `--upstream-counts FILE` writes them
+as JSON (under pytest-xdist the workers collect, and each writes the same file).
+"""
+
+import json
+import zlib
+from collections import Counter
+
+PRIVATE_ENTRY_POINTS = ("test_flash_attn_varlen_paged_kv_num_splits", "test_flash_attn_generator_arg_must_be_none")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--upstream-sample", type=int, default=1, help="run one case in N of each large test function")
+    parser.addoption("--upstream-whole", type=int, default=100, help="functions with at most this many cases in "
+                     "scope run whole")
+    parser.addoption("--upstream-counts", default=None, help="write the per-function counts to this JSON file")
+
+
+def _in_scope(item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return not (params.get("dropout_p", 0.0) > 0 or params.get("alibi", False) is True
+                or item.originalname in PRIVATE_ENTRY_POINTS)
+
+
+def pytest_collection_modifyitems(config, items):
+    every, whole = config.getoption("--upstream-sample"), config.getoption("--upstream-whole")
+    in_scope = [item for item in items if _in_scope(item)]
+    per_function = Counter(item.originalname for item in in_scope)
+    kept = [item for item in in_scope if per_function[item.originalname] <= whole
+            or zlib.crc32(item.nodeid.encode()) % every == 0]
+    config._upstream_counts = (per_function, Counter(item.originalname for item in kept))
+    if config.getoption("--upstream-counts"):
+        with open(config.getoption("--upstream-counts"), "w") as f:
+            json.dump({"sample_one_in": every, "whole_below": whole,
+                       "functions": {name: {"in_scope": n, "run": config._upstream_counts[1][name]}
+                                     for name, n in sorted(per_function.items())}}, f, indent=1)
+    kept_ids = {id(item) for item in kept}
+    dropped = [item for item in items if id(item) not in kept_ids]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    counts = getattr(config, "_upstream_counts", None)
+    if counts is None:  # an xdist worker's summary, or nothing collected
+        return
+    in_scope, run = counts
+    terminalreporter.write_sep("-", "flash-attn's cases outside dropout and ALiBi: in scope, run")
+    for name in sorted(in_scope):
+        terminalreporter.write_line(f"{name}: {in_scope[name]} in scope, {run[name]} run")
+    terminalreporter.write_line(f"total: {sum(in_scope.values())} in scope, {sum(run.values())} run")
