@@ -34,12 +34,17 @@ def kernel_times(B, H, T, D, group: int, calls: int, in_program: bool = True) ->
         flash_attention(q, k, v, backend="triton").backward(dout)
 
     with kernel_options(group_sum_in_program=in_program):
-        step()
+        return profiled(step, calls)
+
+
+def profiled(step, calls: int) -> dict[str, float]:
+    """Microseconds per call of each CUDA kernel `step()` launches, after one untimed call (compile, autotune)."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                step()
-            torch.cuda.synchronize()
     return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
 
 
