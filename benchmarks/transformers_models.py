@@ -163,7 +163,15 @@ def main():
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
     width, heads, vocab = (512, 8, 1024) if gpu else (64, 4, 97)
     positions = args.prompt + args.new_tokens if gpu else 64
-    rows = []
+    rows, decode = [], []
+    meta = run_meta() | {k: v for k, v in vars(args).items() if k != "out"} | {
+        "device": device, "dtype": str(dtype), "width": width, "heads": heads,
+        "timing": "generate: wall time, synchronised, interleaved rounds, median; attention: triton do_bench median"}
+
+    def write():  # after every model: a call cut short keeps what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "models": rows, "decode_attention": decode}, indent=2))
+
     for name, config in configs(width, heads, vocab, positions).items():
         if name not in args.models.split(","):
             continue
@@ -199,8 +207,8 @@ def main():
         print(f"{name:<8} vs {base:<6} logits {row['logits_rel_error']:.1e}  grads {row['grads_rel_error']:.1e}  "
               f"generate {generate}  fullgraph {row['fullgraph']} (baseline: {row['baseline_fullgraph']}){speed}",
               flush=True)
+        write()
         del ours_model, base_model
-    decode = []
     if gpu:
         for cache in (4096, 32768):
             decode.append(decode_attention(8, 32, 8, cache, 128, args.rounds))
@@ -208,11 +216,8 @@ def main():
             print(f"decode attention (8, 32 heads / 8, cache {cache}, 128): {d['ms']['stableflash']:.3f} ms "
                   f"against SDPA's {d['ms']['sdpa']:.3f} ({d['ratio_to_sdpa']:.2f}x), "
                   f"{d['cache_gb_per_s']['stableflash']:.0f} GB/s of cache read", flush=True)
-    meta = run_meta() | {k: v for k, v in vars(args).items() if k != "out"} | {
-        "device": device, "dtype": str(dtype), "width": width, "heads": heads,
-        "timing": "generate: wall time, synchronised, interleaved rounds, median; attention: triton do_bench median"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "models": rows, "decode_attention": decode}, indent=2))
+            write()
+    write()
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ mkdir -p "$out"
 export FLASH_ATTN_REPO=$(cd "$repo" && pwd)
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
 python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
-  -n "${WORKERS:-16}" -q -rf --tb=line --timeout 300 --upstream-sample "$sample" \
+  -n "${WORKERS:-16}" -v -rf --tb=line --timeout 300 --upstream-sample "$sample" \
   --upstream-counts "$out/cases.json" --junitxml "$out/flash-attn-tests.xml" > "$out/flash-attn-tests.log" 2>&1
 status=$?
-grep -E "^FAILED" "$out/flash-attn-tests.log" | sed 's/\[.*//' | sort | uniq -c
+grep -E "^FAILED" "$out/flash-attn-tests.log" | sed "s/\[.*//" | sort | uniq -c
 tail -1 "$out/flash-attn-tests.log"
 exit $status

@@ -24,7 +24,7 @@ _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "OS", "DO", "DK", "DV", "DQ")},
              **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX")}, "STAT_COUNTS": "*i64", "KEEP": "*u8"}
-_FLOATS = {"scale", "qk_scale", "eps"}
+_FLOATS = {"scale", "qk_scale", "eps", "softcap"}
 KERNELS = {(True, "fwd"): native.attn_fwd, (True, "dq"): native.attn_bwd_dq, (True, "dkdv"): native.attn_bwd_dkdv,
            (False, "fwd"): emulation.attn_fwd, (False, "delta_dpp"): emulation.attn_bwd_delta_dpp,
            (False, "dq"): emulation.attn_bwd_dq, (False, "dkdv"): emulation.attn_bwd_dkdv}

@@ -156,7 +156,8 @@ def flash_attention(
 
     GQA runs in the fused kernels too (k and v are read per group, not repeated); so do Tk != Tq, windows and key
     padding, under every policy the kernels run but a per-head override (there "auto" takes the reference and
-    "triton" refuses them). `attn_mask` and `softcap` run in the reference, "math" and (masks) "sdpa".
+    "triton" refuses them). `softcap` runs in the kernels under production FA2 numerics (elsewhere in the
+    reference and "math"); `attn_mask` in the reference, "math" and "sdpa".
     """
     if layout not in ("bhtd", "bthd"):
         raise ValueError(f"layout: expected 'bhtd' (B, H, T, D) or 'bthd' (B, T, H, D), got {layout!r}")
@@ -190,7 +191,8 @@ def flash_attention(
             raise TypeError(f"stats: expected an AttentionStats, got {type(stats).__name__}")
         stats.check(q.shape[1])
 
-    shaped = dense is not None or bias is not None or softcap > 0  # what only the reference, math and sdpa take
+    shaped = dense is not None or bias is not None  # what only the reference, math and sdpa take
+    capped = softcap > 0
     masked = (k.shape[-2] != q.shape[-2] or key_padding_mask is not None or dense is not None
               or (window is not None and tuple(window) != (-1, -1)))
     grouped = k.shape[1] != q.shape[1]
@@ -199,6 +201,8 @@ def flash_attention(
     policy_key, stabilize_key = policy.key, stabilizers.key_of(stabilize)
     kernels_take = not shaped and not (grouped and policy.head_override is not None) and (
         not masked or (triton_available(q) and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1], True)))
+    kernels_take = kernels_take and (not capped or (triton_available(q) and _triton_caps(
+        policy_key, stabilize_key, q.dtype, q.shape[-1])))
     if backend == "auto":
         backend = "reference"
         if kernels_take and triton_available(q) and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1],
@@ -208,10 +212,11 @@ def flash_attention(
               and stats is None and not return_lse):
             backend = "sdpa"
     if backend == "triton" and shaped:
-        raise ValueError("backend: 'triton' takes no attn_mask or softcap; use backend='reference' or 'auto'")
+        raise ValueError("backend: 'triton' takes no attn_mask; use backend='reference' or 'auto'")
     if backend == "triton" and not kernels_take and q.is_cuda:
         raise ValueError("backend: 'triton' runs Tk != Tq, windows, key padding and GQA only without a per-head "
-                         "policy override; use backend='reference' or 'auto' (which takes the reference for them)")
+                         "policy override, and softcap only under production FA2 numerics; use backend='reference' "
+                         "or 'auto' (which takes the reference for them)")
     if grouped and backend != "triton":
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     # the backends other than the kernels take a masked call's mask as a description (the kernels: `band_of`)
@@ -238,7 +243,7 @@ def flash_attention(
         from stableflash.attention import triton as triton_backend
         out, lse = triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy, stabilize=stabilize,
                                             stats=stats, window=tuple(window or (-1, -1)),
-                                            key_padding=key_padding_mask, return_lse=True)
+                                            key_padding=key_padding_mask, softcap=softcap, return_lse=True)
         return (out, lse) if return_lse else out
     out, lse = reference_attention(q, k, v, scale=scale, causal=vis or causal, policy=policy, stabilize=stabilize,
                                    stats=stats, mods=mods)
@@ -295,6 +300,19 @@ def _triton_takes(policy_key: str, stabilize_key: str | None, dtype: torch.dtype
     (`triton.supports_masks`). Under torch.compile evaluated once, at trace time (by the keys: dynamo cannot pass
     dataclass instances)."""
     return _takes_by_key(policy_key, stabilize_key, dtype, head_dim, masked)
+
+
+@torch.compiler.assume_constant_result
+def _triton_caps(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels cap scores under the policy (`triton.supports_softcap`); as `_triton_takes`."""
+    return _caps_by_key(policy_key, stabilize_key, dtype, head_dim)
+
+
+@functools.lru_cache(maxsize=1024)
+def _caps_by_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int) -> bool:
+    from stableflash.attention import triton as triton_backend
+    return triton_backend.supports_softcap(Precision.from_key(policy_key), stabilizers.from_key(stabilize_key), dtype,
+                                           head_dim)
 
 
 @functools.lru_cache(maxsize=1024)  # asked on every `backend="auto"` call on CUDA

@@ -8,7 +8,8 @@ along the tokens with cumulative lengths, and `flash_attn_with_kvcache` for deco
 - `return_attn_probs=True` returns (out, softmax_lse, None): the log-sum-exp of each row's scores, (B, H, Tq) fp32
   ((H, total_q) in the varlen forms), as flash-attn's second output; the third, the attention probabilities
   flash-attn returns for testing with dropout, is never materialised here.
-- `softcap` > 0 caps the scaled scores (Gemma 2's); it runs in the reference (and "math") backends.
+- `softcap` > 0 caps the scaled scores (Gemma 2's): in the fused kernels under production FA2 numerics, elsewhere in
+  the reference.
 - `deterministic` is accepted: every backward here is deterministic already (no atomics: each key tile's dK and dV,
   and each query tile's dQ, are summed by one program in a fixed order).
 - Dropout and ALiBi are refused by name, never ignored.
@@ -98,7 +99,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     """Packed variable-length sequences: q (total_q, H, D), k and v (total_k, H_kv, D), sequence s being rows
     cu_seqlens_q[s]:cu_seqlens_q[s+1] of q (and likewise of k). Each sequence attends only to its own keys, causal
     aligned to its own bottom right. The batch runs in one call of the fused kernels where they take it (production
-    FA2 numerics, no softcap); otherwise as one call per sequence. With `return_attn_probs` the log-sum-exp is
+    FA2 numerics); otherwise as one call per sequence. With `return_attn_probs` the log-sum-exp is
     (H, total_q). `block_table` (paged k and v) is taken only as None here; `flash_attn_with_kvcache` takes pages."""
     _refuse_unsupported(dropout_p, alibi_slopes)
     if block_table is not None:
@@ -112,9 +113,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     if max(b - a for a, b in zip(qs, qs[1:])) > max_seqlen_q or max(b - a for a, b in zip(ks, ks[1:])) > max_seqlen_k:
         raise ValueError("max_seqlen_q, max_seqlen_k: smaller than the longest sequence")
     window = _window(window_size)
-    if backend in ("auto", "triton") and softcap == 0 and _kernels_take_packed(q, k, precision, stabilize):
-        out, lse = _packed_in_the_kernels(q, k, v, qs, ks, softmax_scale, causal, window, precision, stabilize,
-                                          stats)
+    if backend in ("auto", "triton") and _kernels_take_packed(q, k, precision, stabilize):
+        out, lse = _packed_in_the_kernels(q, k, v, qs, ks, softmax_scale, causal, window, softcap, precision,
+                                          stabilize, stats)
         return _with_lse(out, lse, return_attn_probs)
     outs, lses = [], []  # elsewhere: one call per sequence
     for (q0, q1), (k0, k1) in zip(zip(qs, qs[1:]), zip(ks, ks[1:])):
@@ -322,7 +323,8 @@ def _kernels_take_packed(q, k, precision, stabilize) -> bool:
     return kernels.supports_masks(resolve(precision), check_stabilize(stabilize), q.dtype, q.shape[-1], packed=True)
 
 
-def _packed_in_the_kernels(q, k, v, q_offsets, k_offsets, scale, causal, window, precision, stabilize, stats):
+def _packed_in_the_kernels(q, k, v, q_offsets, k_offsets, scale, causal, window, softcap, precision, stabilize,
+                           stats):
     """(out (total_q, H, D), lse (H, total_q))."""
     from stableflash.attention import triton as kernels
     from stableflash.attention.triton.launch import packed_segments
@@ -333,5 +335,5 @@ def _packed_in_the_kernels(q, k, v, q_offsets, k_offsets, scale, causal, window,
     out, lse = kernels.attention(*heads, causal=causal, scale=scale if scale is not None else q.shape[-1] ** -0.5,
                                  policy=resolve(precision), stabilize=check_stabilize(stabilize), stats=stats,
                                  window=window, segments=packed_segments(q_offsets, k_offsets, q.device),
-                                 return_lse=True)
+                                 softcap=softcap, return_lse=True)
     return out[0].transpose(0, 1), lse[0]

@@ -42,7 +42,7 @@ def _attention(q, k, v, **kw):
         return backend.attention(q, k, v, causal=kw.get("causal", True), scale=kw.get("scale") or D**-0.5,
                                  policy=resolve(kw.get("precision", "fa2")), stabilize=kw.get("stabilize"),
                                  stats=kw.get("stats"), window=kw.get("window") or (-1, -1),
-                                 key_padding=kw.get("key_padding_mask"))
+                                 key_padding=kw.get("key_padding_mask"), softcap=kw.get("softcap", 0.0))
     return flash_attention(q, k, v, backend="triton", **kw)
 
 
@@ -93,6 +93,43 @@ def test_fa2_within_twice_the_reference_error(shape, causal, dtype):
     for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
         assert torch.isfinite(a).all(), name
         _assert_within_twice_the_reference(name, a, r, e, dtype)
+
+
+SOFTCAP_CASES = {  # Tq, Tk, causal, window, kv heads (of 4)
+    "causal": (77, 77, True, None, 4),
+    "not causal, GQA": (77, 77, False, None, 2),
+    "Tk > Tq, a window": (45, 93, True, (20, 0), 4),
+}
+
+
+@pytest.mark.parametrize("stabilize", [None, SFA()], ids=["plain", "sfa"])
+@pytest.mark.parametrize("case", list(SOFTCAP_CASES))
+def test_softcap_runs_in_the_kernels_within_twice_the_reference_error(case, stabilize):
+    """Gemma 2's cap, softcap · tanh(S / softcap), at a cap the scores reach (q scaled up): outputs and gradients
+    within twice the reference's error against fp64 with the same cap, and the log-sum-exp of the capped scores."""
+    Tq, Tk, causal, window, kv_heads = SOFTCAP_CASES[case]
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    D, cap = 16 if INTERPRET else 64, 5.0
+    q = (4 * torch.randn(2, 4, Tq, D, generator=g)).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(2, kv_heads, Tk, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(2, 4, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    kw = dict(causal=causal, window=window, softcap=cap)
+    ours = _run(functools.partial(_attention, stabilize=stabilize, **kw), q, k, v, dout)
+    ref = _run(functools.partial(flash_attention, backend="reference", stabilize=stabilize, **kw), q, k, v, dout)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **kw), *leaves,
+                 dout.cpu().double())
+    for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+        assert torch.isfinite(a).all(), (name, f"seed {seed}")
+        _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
+    if not INTERPRET:  # the public API's log-sum-exp from the kernels
+        _, lse = flash_attention(q, k, v, backend="triton", return_lse=True, **kw)
+        _, exact_lse = flash_attention(*leaves, precision="fp64", backend="reference", return_lse=True, **kw)
+        seen = torch.isfinite(exact_lse)
+        assert torch.allclose(lse.cpu().double()[seen], exact_lse.detach()[seen], atol=2e-2), f"seed {seed}"
 
 
 @pytest.mark.parametrize("causal", [True, False])

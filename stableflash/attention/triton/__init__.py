@@ -7,7 +7,7 @@ Layout:
 - `common.py`: helpers both share; `tuning.py`: autotuning and the tile picks; `options.py`: the user's switches;
 - `launch.py`: allocation and launches (`kernel[grid](...)`); `ops.py`: the two `torch.library` ops.
 
-Public here: `attention`, `supports`, `supports_policy`, `supports_masks`, `pick_tiles`, the tile picks'
+Public here: `attention`, `supports`, `supports_policy`, `supports_masks`, `supports_softcap`, `pick_tiles`, the tile picks'
 `tile_picks_state_dict` / `load_tile_picks` (what a checkpoint keeps), and `KernelOptions` / `kernel_options` /
 `set_kernel_options`.
 """
@@ -23,7 +23,7 @@ from stableflash.attention.stats import AttentionStats
 from stableflash.attention.triton.options import KernelOptions, kernel_options, set_kernel_options
 from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, spec_name, spec_named, unsupported_reason
 
-__all__ = ["attention", "supports", "supports_policy", "supports_masks", "pick_tiles", "tile_picks_state_dict",
+__all__ = ["attention", "supports", "supports_policy", "supports_masks", "supports_softcap", "pick_tiles", "tile_picks_state_dict",
            "load_tile_picks", "HEAD_DIMS", "KernelOptions", "kernel_options", "set_kernel_options"]
 
 
@@ -35,6 +35,14 @@ def supports(q: torch.Tensor) -> bool:
 def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the kernels run `policy` (and, with a head override, the other heads' policy) with `stabilize`."""
     return unsupported_reason(policy, stabilize, dtype) is None
+
+
+def supports_softcap(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels cap scores (softcap) for this call: production FA2 numerics (the native kernels)."""
+    if not (head_dim in HEAD_DIMS and dtype in INPUT_DTYPES and policy.head_override is None
+            and supports_policy(policy, stabilize, dtype)):
+        return False
+    return spec_named(spec_name(policy, stabilize, dtype, head_dim, 1)).native
 
 
 def supports_masks(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, packed: bool = False) -> bool:
@@ -87,7 +95,7 @@ def pick_tiles(shape: tuple[int, int, int, int], *, precision="fa2", stabilize=N
 def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabilize=None,
               stats: AttentionStats | None = None, window: tuple[int, int] = (-1, -1),
               key_padding: torch.Tensor | None = None, segments: torch.Tensor | None = None,
-              return_lse: bool = False):
+              softcap: float = 0.0, return_lse: bool = False):
     """Fused attention; a per-head policy override runs each group of heads through its own kernel. Tk != Tq, a
     window, key padding and packed sequences (`segments`: `launch.packed_segments`, q, k, v one batch row of the
     packed sequences) run the kernels' masked form (`supports_masks`). With `return_lse`, (O, lse (B, H, Tq) fp32
@@ -101,12 +109,17 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
         raise ValueError("backend: 'triton' runs Tk != Tq, windows and key padding only without a per-head policy "
                          "override, and packed sequences only under production FA2 numerics (precision 'fa2'); "
                          "use backend='reference' or 'auto'")
+    if softcap > 0 and not torch.compiler.is_compiling() and not supports_softcap(policy, stabilize, q.dtype,
+                                                                                   q.shape[-1]):
+        raise ValueError("softcap: the 'triton' backend caps scores only under production FA2 numerics without a "
+                         "per-head policy override; use backend='reference' or 'auto'")
     out, lse = split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
-        q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads, band=band))
+        q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads, band=band,
+        softcap=float(softcap)))
     return (out, lse) if return_lse else out
 
 
-def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band):
+def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band, softcap):
     from stableflash.attention.triton import ops
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
@@ -114,7 +127,8 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band)
     _, H, T, D = q.shape
     name = spec_name(policy, stabilize, q.dtype, D, max(T, k.shape[-2]))  # an untiled policy: one tile of each
     out, _, lse, counts, smax = ops.flash_fwd(q, k, v, causal, float(scale), name, stats is not None,
-                                              float(stats.eps) if stats is not None else 0.0, *ops.band_fields(band))
+                                              float(stats.eps) if stats is not None else 0.0, *ops.band_fields(band),
+                                              softcap)
     if stats is not None:
         stats.add_counts(heads, counts, smax)
     return out, lse.detach() / spec_named(name).units  # the kernels' units (base 2 natively): natural

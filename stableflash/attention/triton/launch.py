@@ -181,10 +181,11 @@ def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def hopper_forward_tile(spec: KernelSpec, q, k, v, stats: bool):
+def hopper_forward_tile(spec: KernelSpec, q, k, v, stats: bool, softcap: float = 0.0):
     """The Gluon forward's tile for this call (`hopper.FORWARD_TILES`), or None for the Triton forward: on sm_90,
-    production FA2 numerics, plain or SFA, with or without the statistics, TMA-streamable rows."""
-    if hopper is None or INTERPRET or not spec.native or not options.current().hopper_forward or not q.is_cuda:
+    production FA2 numerics, plain or SFA, with or without the statistics, no softcap, TMA-streamable rows."""
+    if (hopper is None or INTERPRET or not spec.native or not options.current().hopper_forward or not q.is_cuda
+            or softcap > 0):
         return None
     choice = hopper.FORWARD_TILES.get((q.shape[-1], spec.stab == 1 or stats))
     if choice is None or q.shape[-2] < choice.min_seq_len or spec.stab == 2 or spec.out_dtype != q.dtype:
@@ -203,17 +204,33 @@ def _hopper_constants(name: str, head_dim: int, dtype: torch.dtype, causal: bool
     return constants, triton.Config({}, num_warps=tile.warps)
 
 
+def _check_softcap(softcap: float, spec: KernelSpec) -> None:
+    if softcap > 0 and not spec.native:
+        raise ValueError(f"softcap: the fused kernels cap scores only under production FA2 numerics, not {spec.name!r}")
+
+
+def _scales(scale: float, softcap: float, spec: KernelSpec) -> tuple[float, float, dict]:
+    """The native kernels' (scale, softcap) arguments and switch: scale in base-2 units, or under a cap the natural
+    scale over the cap and the cap in base-2 units (`native.py`, SOFTCAP); the switch absent without a cap, so the
+    plain kernels' tile picks keep their keys."""
+    if softcap > 0:
+        return scale / softcap, softcap * spec.units, {"SOFTCAP": True}
+    return scale * spec.units, 0.0, {}
+
+
 # -- forward and backward ---------------------------------------------------------------------------------------------
 
-def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_eps: float, band: Band | None = None):
+def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_eps: float, band: Band | None = None,
+            softcap: float = 0.0):
     """Returns (out, o_saved (empty unless saved separately), lse (B,H,T) fp32, counts (H,5) int64, max (H,) fp32).
 
     lse is in the kernels' units (base 2 natively, natural under emulation): only the backward reads it. With
     `stats`, per head the counters of `STAT_COLUMNS` and the largest score; without, both are empty. A `band`
     (`band_of`: Tk != Tq, a window, key padding, packed sequences) runs the kernels' masked form; packed sequences only
-    native specs'."""
+    native specs'. `softcap` > 0 caps the scores (native specs only)."""
     spec = spec_named(name)
     _check_band(band, spec)
+    _check_softcap(softcap, spec)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
     out = empty_in_layout_of(q, spec.out_dtype)
@@ -237,7 +254,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
                 emulation_config(spec.ops_fp32, D))
         return out, o_saved, lse, counts, smax
 
-    tile = hopper_forward_tile(spec, q, k, v, stats) if band is None else None  # the Gluon forward takes no mask
+    tile = hopper_forward_tile(spec, q, k, v, stats, softcap) if band is None else None  # the Gluon forward: no mask
     if tile is not None:
         _allow_device_descriptors()
         constants, config = _hopper_constants(name, D, q.dtype, causal, tile, stats)
@@ -245,7 +262,8 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
                 constants, config)
         return out, o_saved, lse, counts, smax
 
-    meta = {**spec.forward_constants, **launch, **_band_meta(band)}
+    kernel_scale, kernel_softcap, capped = _scales(scale, softcap, spec)
+    meta = {**spec.forward_constants, **launch, **_band_meta(band), **capped}
     either = _tma_candidates(spec, D, k, v)
     if either:
         _allow_device_descriptors()
@@ -254,12 +272,13 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
         tiles = _ceil_div(T, m["BLOCK_M"])
         return (B * H, tiles) if meta["HEADS_FIRST"] else (tiles, B * H)
 
-    _launch_tuned(NATIVE_FWD, grid, (*tensors, H, G, T, scale * spec.units, eps, *_band_args(band, T, k.shape[-2], lse)),
-                  meta, T=T, dtype=q.dtype, either=either)
+    _launch_tuned(NATIVE_FWD, grid, (*tensors, H, G, T, kernel_scale, eps, *_band_args(band, T, k.shape[-2], lse),
+                                     kernel_softcap), meta, T=T, dtype=q.dtype, either=either)
     return out, o_saved, lse, counts, smax
 
 
-def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str, band: Band | None = None):
+def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str, band: Band | None = None,
+             softcap: float = 0.0):
     """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads.
 
     With grouped-query attention (k and v with H / G heads) the native dK/dV kernel sums each group's query heads
@@ -268,6 +287,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     order, and the reference's: each head's rounded share)."""
     spec = spec_named(name)
     _check_band(band, spec)
+    _check_softcap(softcap, spec)
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
     G, TK = H // k.shape[1], k.shape[-2]
@@ -281,9 +301,8 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         dk = empty_in_layout_of(k, k.dtype)
         dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
-    dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, G, T,
-               scale * spec.units, scale)
-    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, G, T, scale * spec.units, scale)
+    dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, G, T)
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, G, T)
     masking = _band_args(band, T, TK, lse)
     launch = {"HEAD_DIM": D, "CAUSAL": causal, **_band_meta(band, spec.native)}
 
@@ -301,9 +320,12 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         if either:
             _allow_device_descriptors()
         grouped = {"GROUP": G} if in_program else {}  # absent otherwise: MHA's picks keep their keys
-        _launch_tuned(NATIVE_DQ, rows, (*dq_args, *masking), launch, T=T, dtype=q.dtype, either=either)
-        _launch_tuned(NATIVE_DKDV, cols, (*dkdv_args, *masking), {**launch, **grouped}, T=T, dtype=q.dtype,
-                      either=either)
+        kernel_scale, kernel_softcap, capped = _scales(scale, softcap, spec)
+        scales = (kernel_scale, scale)  # the scores' (`_scales`), and dQ's and dK's natural one
+        _launch_tuned(NATIVE_DQ, rows, (*dq_args, *scales, *masking, kernel_softcap), {**launch, **capped}, T=T,
+                      dtype=q.dtype, either=either)
+        _launch_tuned(NATIVE_DKDV, cols, (*dkdv_args, *scales, *masking, kernel_softcap),
+                      {**launch, **grouped, **capped}, T=T, dtype=q.dtype, either=either)
     else:
         config = emulation_config(spec.ops_fp32, D)
         if spec.delta_constants is not None:
@@ -311,9 +333,10 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
                     (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n, *masking),
                     {**spec.delta_constants, **launch}, config)
         seed = draw_seed() if spec.backward_stochastic else 0  # where the reference's backward draws its own
-        _launch(emulation.attn_bwd_dq, rows, (*dq_args, spec.logical_n, seed, *masking),
+        scales = (scale * spec.units, scale)
+        _launch(emulation.attn_bwd_dq, rows, (*dq_args, *scales, spec.logical_n, seed, *masking),
                 {**spec.dq_constants, **launch}, config)
-        _launch(emulation.attn_bwd_dkdv, cols, (*dkdv_args, spec.logical_m, *masking),
+        _launch(emulation.attn_bwd_dkdv, cols, (*dkdv_args, *scales, spec.logical_m, *masking),
                 {**spec.dkdv_constants, **launch}, config)
     if shares:
         dk, dv = (torch.sum(t.unflatten(1, (H // G, G)), dim=2, out=empty_in_layout_of(k, t.dtype)) for t in (dk, dv))

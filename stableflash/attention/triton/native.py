@@ -5,7 +5,9 @@ units so that the exponentials are `exp2` (the launcher folds log2(e) into the s
 and the backward's dQ (which also writes δ = rowsum(dO ∘ O)) and dK/dV, launched in that order.
 
 Compile-time features, none paid for when off: `STAB` 0 plain, 1 SFA (the seed's Algorithm 3 per key tile, bounded
-or not), 2 ClampPbar; `STATS` adds the per-head counters of `AttentionStats`; `TMA` streams key tiles (forward, dQ)
+or not), 2 ClampPbar; `SOFTCAP` caps the scores as softcap · tanh(S / softcap) (Gemma 2's; `scale` is then the
+natural scale over the cap and `softcap` the cap in base-2 units, and the backward multiplies dS by the cap's slope
+1 - tanh²); `STATS` adds the per-head counters of `AttentionStats`; `TMA` streams key tiles (forward, dQ)
 or query tiles (dK/dV) by tensor descriptors, which the autotuner may choose at D >= 128 (`tuning`); `MASK` takes
 TK keys against T queries with a band (causal aligned to the bottom right, a sliding window: `LEFT`, `RIGHT`) and,
 with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), or with `PAD` and `SEG` a packed batch of sequences whose
@@ -74,6 +76,24 @@ def _tile_rows(X, x_off, start, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.co
     return t
 
 
+@triton.jit
+def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr, ROUNDED: tl.constexpr):
+    """Scores from Q·Kᵀ and, under SOFTCAP, the cap's slope d(score)/d(Q·Kᵀ · scale) / softcap = 1 - tanh² (else the
+    scores again, unused). The forward rounds the plain product once (ROUNDED: `mul_rn`), so that a row's maximum
+    gives exp2(0) = 1; the backward leaves the compiler free to fuse it into the exponent's FMA."""
+    if SOFTCAP:
+        t = 2.0 * tl.sigmoid(2.0 * (qk * scale)) - 1.0  # tanh
+        s = softcap * t
+        slope = 1.0 - t * t
+    elif ROUNDED:
+        s = mul_rn(qk, scale)
+        slope = s
+    else:
+        s = qk * scale
+        slope = s
+    return s, slope
+
+
 # -- forward ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -81,7 +101,7 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
               smax, eps, TQ, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
               CAUSAL: tl.constexpr, MASKED: tl.constexpr, STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr,
               LOW: tl.constexpr, HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TMA: tl.constexpr,
-              MASK: tl.constexpr, PAD: tl.constexpr):
+              MASK: tl.constexpr, PAD: tl.constexpr, softcap, SOFTCAP: tl.constexpr):
     """One key tile of the online softmax (T: the keys' length; TQ the queries', read under MASK).
 
     Scores are scaled (and rounded: `mul_rn`) before their maximum, so that the row's maximum gives exp2(0) = 1
@@ -95,7 +115,7 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
             kt = tl.load(kt_ptrs, mask=offs_n[None, :] < T, other=0.0)
         else:
             kt = tl.load(kt_ptrs)
-    s = mul_rn(dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), False), scale)
+    s, _ = _scores(dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), False), scale, softcap, SOFTCAP, True)
     if MASK:
         s = tl.where(band_visible(offs_m, offs_n, TQ, T, LEFT, RIGHT, qtags, key_tags(key_row, offs_n, T, PAD),
                                   aligned), s, float("-inf"))
@@ -145,14 +165,14 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
 def attn_fwd(
     Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_ot, H, G, T, scale, eps, KEEP, stride_keep, TK, LEFT, RIGHT,
+    stride_ob, stride_oh, stride_ot, H, G, T, scale, eps, KEEP, stride_keep, TK, LEFT, RIGHT, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
     BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr,
-    MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False,
+    MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
-    """O and the base-2 lse of one query tile; `scale` and `eps` in base-2 units."""
-    scale, eps = fp32(scale), fp32(eps)
+    """O and the base-2 lse of one query tile; `scale` and `eps` in base-2 units (`scale` natural under SOFTCAP)."""
+    scale, eps, softcap = fp32(scale), fp32(eps), fp32(softcap)
     if HEADS_FIRST:  # grid (heads, query tiles), every head's heaviest causal tile first (SFA: measured faster)
         pid_m = tl.num_programs(1) - 1 - tl.program_id(1) if CAUSAL else tl.program_id(1)
         bh = tl.program_id(0)
@@ -184,7 +204,7 @@ def attn_fwd(
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
                 smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA,
-                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, True, PAD)
+                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, True, PAD, softcap, SOFTCAP)
     else:
         # key tiles left of the diagonal (causal) or before the ragged end need no mask
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
@@ -193,12 +213,12 @@ def attn_fwd(
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
                 smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA,
-                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
+                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False, softcap, SOFTCAP)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
                 smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA,
-                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False)
+                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False, softcap, SOFTCAP)
 
     empty = m == float("-inf")  # rows that see no key: O = 0, lse = -inf
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
@@ -213,25 +233,27 @@ def attn_fwd(
 # -- backward --------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _probs(q, k, lse, offs_m, offs_n, T, scale, TK, LEFT, RIGHT, qtags, ktags, aligned, CAUSAL: tl.constexpr,
-           MASKED: tl.constexpr, MASK: tl.constexpr):
-    """P for one (queries, keys) tile, recomputed from the saved base-2 lse."""
-    qk = dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), False)
+def _probs(q, k, lse, offs_m, offs_n, T, scale, TK, LEFT, RIGHT, qtags, ktags, aligned, softcap,
+           CAUSAL: tl.constexpr, MASKED: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+    """P for one (queries, keys) tile, recomputed from the saved base-2 lse, and the cap's slope (`_scores`)."""
+    s, slope = _scores(dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), False), scale, softcap,
+                       SOFTCAP, False)
     # P <= 1 exactly; with scores ~1e11 the recomputed S can exceed the saved lse by a few fp32 ulps
-    p = tl.math.exp2(tl.minimum(qk * scale - lse[:, None], 0.0))
+    p = tl.math.exp2(tl.minimum(s - lse[:, None], 0.0))
     if MASK:
         p = tl.where(band_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, qtags, ktags, aligned), p, 0.0)
     elif MASKED:
         p = tl.where(visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
-    return p
+    return p, slope
 
 
 @triton.jit
-def _probs_t(k, q, lse, offs_n, offs_m, T, scale, TK, LEFT, RIGHT, qtags, ktags, aligned, CAUSAL: tl.constexpr,
-             MASKED: tl.constexpr, MASK: tl.constexpr):
-    """Pᵀ for one (keys, queries) tile: the dK/dV kernel's orientation of `_probs`."""
-    qkt = dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), False)
-    pt = tl.math.exp2(tl.minimum(qkt * scale - lse[None, :], 0.0))
+def _probs_t(k, q, lse, offs_n, offs_m, T, scale, TK, LEFT, RIGHT, qtags, ktags, aligned, softcap,
+             CAUSAL: tl.constexpr, MASKED: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Pᵀ for one (keys, queries) tile and the cap's slope: the dK/dV kernel's orientation of `_probs`."""
+    st, slope = _scores(dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), False), scale, softcap,
+                        SOFTCAP, False)
+    pt = tl.math.exp2(tl.minimum(st - lse[None, :], 0.0))
     if MASK:
         pt = tl.where(band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, qtags, ktags, aligned), pt, 0.0)
     elif MASKED:
@@ -239,20 +261,23 @@ def _probs_t(k, q, lse, offs_n, offs_m, T, scale, TK, LEFT, RIGHT, qtags, ktags,
         if CAUSAL:
             valid = valid & (offs_m[None, :] >= offs_n[:, None])
         pt = tl.where(valid, pt, 0.0)
-    return pt
+    return pt, slope
 
 
 @triton.jit
 def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq, TK, LEFT,
-             RIGHT, key_row, qtags, aligned, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-             MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, PAD: tl.constexpr):
+             RIGHT, key_row, qtags, aligned, softcap, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+             CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, PAD: tl.constexpr,
+             SOFTCAP: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _tile_rows(K, k_off, start_n, stride_kt, TK, BLOCK_N, HEAD_DIM, TMA)
     v = _tile_rows(V, v_off, start_n, stride_vt, TK, BLOCK_N, HEAD_DIM, TMA)
-    p = _probs(q, k, lse, offs_m, offs_n, T, qk_scale, TK, LEFT, RIGHT, qtags, key_tags(key_row, offs_n, TK, PAD),
-               aligned, CAUSAL, MASKED, MASK)
+    p, slope = _probs(q, k, lse, offs_m, offs_n, T, qk_scale, TK, LEFT, RIGHT, qtags,
+                      key_tags(key_row, offs_n, TK, PAD), aligned, softcap, CAUSAL, MASKED, MASK, SOFTCAP)
     dp = dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), False)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * slope
     return dot(cast(ds, k.dtype), k, dq, False)
 
 
@@ -261,13 +286,13 @@ def attn_bwd_dq(
     Q, K, V, DO, O, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
-    H, G, T, qk_scale, scale, KEEP, stride_keep, TK, LEFT, RIGHT,
+    H, G, T, qk_scale, scale, KEEP, stride_keep, TK, LEFT, RIGHT, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
-    MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False,
+    MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """dQ (strides `stride_g*`) of one query tile, over the key tiles it sees. It first computes its rows'
     δ = rowsum(dO ∘ O) and stores it for the dK/dV kernel, launched after it: one launch fewer than a δ pass."""
-    qk_scale, scale = fp32(qk_scale), fp32(scale)
+    qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
     pid_m = tl.program_id(0)
     bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
@@ -290,19 +315,19 @@ def attn_bwd_dq(
             lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
         for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, TMA,
-                          True, PAD)
+                          qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, softcap, BLOCK_N, HEAD_DIM, False,
+                          True, TMA, True, PAD, SOFTCAP)
     else:
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
         for start_n in range(0, free, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, False, TMA,
-                          False, False)
+                          qk_scale, dq, T, LEFT, RIGHT, key_row, qtags, aligned, softcap, BLOCK_N, HEAD_DIM, CAUSAL,
+                          False, TMA, False, False, SOFTCAP)
         for start_n in range(free, hi, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, True, TMA,
-                          False, False)
+                          qk_scale, dq, T, LEFT, RIGHT, key_row, qtags, aligned, softcap, BLOCK_N, HEAD_DIM, CAUSAL,
+                          True, TMA, False, False, SOFTCAP)
     store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq * scale, offs_m, stride_gt, T, HEAD_DIM)
 
 
@@ -331,9 +356,9 @@ def _group_rows(X, x_off, g, stride_h, start, stride_t, T, ROWS: tl.constexpr, H
 
 @triton.jit
 def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, start_m, offs_n, T, stride_qh, stride_qt, stride_doh,
-               stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, BLOCK_M: tl.constexpr,
-               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
-               MASK: tl.constexpr, SEG: tl.constexpr):
+               stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, softcap,
+               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr, SOFTCAP: tl.constexpr):
     """One query tile's share of dK and dV, of the group's query head g (batch·head first + g)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _group_rows(Q, q_off, g, stride_qh, start_m, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
@@ -342,18 +367,22 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, start_m, offs_n
     lse = load_lse(LSE + row_off, offs_m, T)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
-    pt = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, TK, LEFT, RIGHT, qtags, ktags, aligned, CAUSAL, MASKED, MASK)
+    pt, slope = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, TK, LEFT, RIGHT, qtags, ktags, aligned, softcap,
+                         CAUSAL, MASKED, MASK, SOFTCAP)
     dv = dot(cast(pt, do.dtype), do, dv, False)
     dpt = dot(v, tl.trans(do), tl.zeros((v.shape[0], BLOCK_M), tl.float32), False)
     dst = pt * (dpt - delta[None, :])
+    if SOFTCAP:
+        dst = dst * slope
     return dot(cast(dst, q.dtype), q, dk, False), dv
 
 
 @triton.jit
 def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, q_off, do_off, first, lo, hi, offs_n, T, stride_qh, stride_qt,
-                stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row, stride_keep, ktags,
+                stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, softcap,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
-                MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr):
+                MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     """The query tiles at lo, lo + BLOCK_M, ... below hi of each of the group's GROUP query heads, added to dk, dv.
 
     A group's heads run as one loop over (head, tile) pairs, which the compiler pipelines as it does one head's
@@ -363,14 +392,15 @@ def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, q_off, do_off, first, lo, hi, o
         for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, 0, start_m, offs_n, T, stride_qh,
                                 stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row,
-                                stride_keep, ktags, BLOCK_M, HEAD_DIM, CAUSAL, MASKED, TMA, MASK, SEG)
+                                stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, CAUSAL, MASKED, TMA, MASK, SEG, SOFTCAP)
     else:
         tiles = tl.cdiv(hi - lo, BLOCK_M)  # <= 0 where there are none
         for i in range(GROUP * tiles):
             g = i // tiles
             dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, lo + (i - g * tiles) * BLOCK_M,
                                 offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK, LEFT,
-                                RIGHT, keep_row, stride_keep, ktags, BLOCK_M, HEAD_DIM, CAUSAL, MASKED, TMA, MASK, SEG)
+                                RIGHT, keep_row, stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, CAUSAL, MASKED, TMA,
+                                MASK, SEG, SOFTCAP)
     return dk, dv
 
 
@@ -379,16 +409,17 @@ def attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, G, T, qk_scale, scale, KEEP, stride_keep,
-    TK, LEFT, RIGHT,
+    TK, LEFT, RIGHT, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, GROUP: tl.constexpr = 1, SEG: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     """dK and dV (both with strides `stride_g*`) of one key tile, over the query tiles that see it. With GROUP > 1
     (grouped-query attention, GROUP = G) a program serves one key/value head and sums its group's query heads in
     fp32 before it stores, as flash-attn 3 does, on a grid (B·H / G, key tiles): every head's first key tiles, which
     see the most causal query tiles, start before any head's last. Else one query head's share, grid (key tiles,
     B·H) (GQA with `group_sum_in_program` off, or under emulation: summed over each group by the launcher)."""
-    qk_scale, scale = fp32(qk_scale), fp32(scale)
+    qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
     pid_n = tl.program_id(1) if GROUP > 1 else tl.program_id(0)
     program = tl.program_id(0) if GROUP > 1 else tl.program_id(1)
     first = program * GROUP  # the first query head (batch·head) of the program
@@ -410,7 +441,8 @@ def attn_bwd_dkdv(
             lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
         dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, (lo // BLOCK_M) * BLOCK_M, hi,
                              offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT,
-                             keep_row, stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, False, True, TMA, True, SEG)
+                             keep_row, stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, GROUP, False, True, TMA, True, SEG,
+                             SOFTCAP)
     else:
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
@@ -418,13 +450,16 @@ def attn_bwd_dkdv(
         free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
         dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, lo, diag_end, offs_n, T,
                              stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, T, LEFT, RIGHT, keep_row,
-                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, True, TMA, False, False)
+                             stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, True, TMA, False, False,
+                             SOFTCAP)
         dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, diag_end, free_end, offs_n, T,
                              stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, T, LEFT, RIGHT, keep_row,
-                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, False, TMA, False, False)
+                             stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, False, TMA, False, False,
+                             SOFTCAP)
         dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, free_end, T, offs_n, T,
                              stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, T, LEFT, RIGHT, keep_row,
-                             stride_keep, ktags, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, True, TMA, False, False)
+                             stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, True, TMA, False, False,
+                             SOFTCAP)
     out = head_offset(program, H // GROUP, stride_gb, stride_gh)
     store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM)
     store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM)

@@ -30,13 +30,15 @@ def _band(masked: bool, left: int, right: int, keep, packed: bool):
 @torch.library.custom_op("stableflash::flash_fwd", mutates_args=())
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, name: str,
               stats: bool, stats_eps: float, masked: bool = False, left: int = -1, right: int = -1,
-              keep: torch.Tensor | None = None, packed: bool = False) -> _FwdOutputs:
+              keep: torch.Tensor | None = None, packed: bool = False, softcap: float = 0.0) -> _FwdOutputs:
     """(out, o_saved, lse, counts, max_score): `launch.forward`."""
-    return launch.forward(q, k, v, causal, scale, name, stats, stats_eps, band=_band(masked, left, right, keep, packed))
+    return launch.forward(q, k, v, causal, scale, name, stats, stats_eps, band=_band(masked, left, right, keep, packed),
+                          softcap=softcap)
 
 
 @flash_fwd.register_fake
-def _(q, k, v, causal, scale, name, stats, stats_eps, masked=False, left=-1, right=-1, keep=None, packed=False):
+def _(q, k, v, causal, scale, name, stats, stats_eps, masked=False, left=-1, right=-1, keep=None, packed=False,
+      softcap=0.0):
     spec = spec_named(name)
     B, H, T, _ = q.shape
     out = launch.empty_in_layout_of(q, spec.out_dtype)
@@ -52,31 +54,33 @@ def _(q, k, v, causal, scale, name, stats, stats_eps, masked=False, left=-1, rig
 @torch.library.custom_op("stableflash::flash_bwd", mutates_args=())
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_saved: torch.Tensor,
               lse: torch.Tensor, causal: bool, scale: float, name: str, masked: bool = False, left: int = -1,
-              right: int = -1, keep: torch.Tensor | None = None, packed: bool = False) -> _BwdOutputs:
+              right: int = -1, keep: torch.Tensor | None = None, packed: bool = False,
+              softcap: float = 0.0) -> _BwdOutputs:
     """(dq, dk, dv): `launch.backward`."""
     return launch.backward(dout, q, k, v, o_saved, lse, causal, scale, name,
-                           band=_band(masked, left, right, keep, packed))
+                           band=_band(masked, left, right, keep, packed), softcap=softcap)
 
 
 @flash_bwd.register_fake
-def _(dout, q, k, v, o_saved, lse, causal, scale, name, masked=False, left=-1, right=-1, keep=None, packed=False):
+def _(dout, q, k, v, o_saved, lse, causal, scale, name, masked=False, left=-1, right=-1, keep=None, packed=False,
+      softcap=0.0):
     return (launch.empty_in_layout_of(q, q.dtype), launch.empty_in_layout_of(k, k.dtype),
             launch.empty_in_layout_of(k, v.dtype))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, name, _, _, masked, left, right, keep, packed = inputs
+    q, k, v, causal, scale, name, _, _, masked, left, right, keep, packed, softcap = inputs
     out, o_saved, lse, _, _ = output
     ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse, keep)
-    ctx.causal, ctx.scale, ctx.name, ctx.band = causal, scale, name, (masked, left, right, packed)
+    ctx.causal, ctx.scale, ctx.name, ctx.band, ctx.softcap = causal, scale, name, (masked, left, right, packed), softcap
 
 
 def _backward(ctx, dout, *_):
     q, k, v, o_saved, lse, keep = ctx.saved_tensors
     masked, left, right, packed = ctx.band
     dq, dk, dv = flash_bwd(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.name, masked, left, right, keep,
-                           packed)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+                           packed, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
