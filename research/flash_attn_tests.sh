@@ -17,6 +17,6 @@ python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p ups
   -n "${WORKERS:-16}" -v -rf --tb=line --timeout 300 --upstream-sample "$sample" \
   --upstream-counts "$out/cases.json" --junitxml "$out/flash-attn-tests.xml" > "$out/flash-attn-tests.log" 2>&1
 status=$?
-grep -E "^FAILED" "$out/flash-attn-tests.log" | sed "s/\[.*//" | sort | uniq -c
+grep -oE "(PASSED|FAILED|SKIPPED|ERROR) [^ ]+::[a-z_]+" "$out/flash-attn-tests.log" | sort | uniq -c
 tail -1 "$out/flash-attn-tests.log"
 exit $status
