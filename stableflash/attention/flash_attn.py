@@ -100,10 +100,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     cu_seqlens_q[s]:cu_seqlens_q[s+1] of q (and likewise of k). Each sequence attends only to its own keys, causal
     aligned to its own bottom right. The batch runs in one call of the fused kernels where they take it (production
     FA2 numerics); otherwise as one call per sequence. With `return_attn_probs` the log-sum-exp is
-    (H, total_q). `block_table` (paged k and v) is taken only as None here; `flash_attn_with_kvcache` takes pages."""
+    (H, total_q). With `block_table` (B, pages), k and v are pages (num_pages, page_size, H_kv, D) and sequence s's
+    keys are the first cu_seqlens_k[s+1] - cu_seqlens_k[s] positions of its pages, gathered into packed form."""
     _refuse_unsupported(dropout_p, alibi_slopes)
     if block_table is not None:
-        raise ValueError("block_table: paged keys and values are taken by flash_attn_with_kvcache; pass None here")
+        k, v = _gathered_pages(k, v, block_table, cu_seqlens_k)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rank(name, t, 3, "(total, H, D)")
     qs = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
@@ -133,6 +134,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     out = torch.cat(outs) if outs else torch.zeros_like(q)
     lse = torch.cat(lses, dim=1) if lses else torch.full((q.shape[1], 0), float("-inf"), device=q.device)
     return _with_lse(out, lse, return_attn_probs)
+
+
+def _gathered_pages(k_pages, v_pages, block_table, cu_seqlens_k):
+    """The packed (total_k, H_kv, D) keys and values of paged k and v: each sequence's first positions of its pages."""
+    _check_rank("k", k_pages, 4, "(num_pages, page_size, H_kv, D) with block_table")
+    _check_rank("block_table", block_table, 2, "(B, pages)")
+    offsets = cu_seqlens_k.tolist()
+    page_size = k_pages.shape[1]
+    if len(offsets) - 1 != block_table.shape[0]:
+        raise ValueError(f"block_table: {block_table.shape[0]} rows for {len(offsets) - 1} sequences")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    if max(lengths, default=0) > block_table.shape[1] * page_size:
+        raise CacheBoundsError(f"cu_seqlens_k: a sequence of {max(lengths)} keys is longer than block_table's "
+                               f"{block_table.shape[1]} pages of {page_size}")
+    parts = [tuple(p[block_table[s, :-(-n // page_size)].long()].flatten(0, 1)[:n] for p in (k_pages, v_pages))
+             for s, n in enumerate(lengths)]
+    return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,

@@ -68,8 +68,17 @@ def test_varlen_packed_forms_and_their_lse():
     assert torch.equal(flash_attn_varlen_qkvpacked_func(qkv, cu, 8, causal=True, **EXACT), out)
     assert torch.equal(flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 8, 8, causal=True, **EXACT),
                        out)
+    # the keys and values in pages of 3 positions, each sequence's pages shuffled in one pool
+    table = torch.tensor([[4, 0, 7], [2, 6, 8], [5, 1, 3]], dtype=torch.int32)
+    pools = [torch.zeros(9, 3, 4, 8, dtype=torch.float64) for _ in range(2)]
+    for pool, t in zip(pools, (k, v)):
+        for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            padded = torch.cat([t[a:b], torch.zeros(9 - (b - a), 4, 8, dtype=t.dtype)])
+            pool[table[s].long()] = padded.unflatten(0, (3, 3))
+    paged = flash_attn_varlen_func(q, *pools, cu, cu, 8, 8, causal=True, block_table=table, **EXACT)
+    assert torch.equal(paged, out)
     with pytest.raises(ValueError, match="block_table"):
-        flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, block_table=torch.zeros(3, 1, dtype=torch.int32))
+        flash_attn_varlen_func(q, *pools, cu, cu, 8, 8, block_table=table[:, :2], **EXACT)
 
 
 def test_softcap_forward_and_backward_are_the_capped_softmax():
