@@ -64,7 +64,7 @@ def main():
         dout = torch.randn_like(q)
         runs = {}
         for name, attend in implementations(H).items():
-            runs[name] = profiled(lambda a=attend: a(q, k, v).backward(dout), args.calls)
+            runs[name] = profiled(lambda a=attend, q=q, k=k, v=v, g=dout: a(q, k, v).backward(g), args.calls)
         parts = {name: {part: sum(t for kernel, t in r.items() if part_of(kernel) == part) for part in PARTS}
                  for name, r in runs.items()}
         report["shapes"][text] = {"kernels": runs, "parts": parts}

@@ -255,7 +255,7 @@ class _Rotary:
         self.cos, self.sin, self.interleaved = cos, sin, interleaved
 
     @classmethod
-    def checked(cls, cos, sin, head_dim: int, interleaved: bool) -> "_Rotary":
+    def checked(cls, cos, sin, head_dim: int, interleaved: bool) -> _Rotary:
         if cos is None or sin is None or cos.dim() != 2 or cos.shape != sin.shape:
             raise ValueError("rotary_cos, rotary_sin: expected both, of one shape (positions, R / 2)")
         if 2 * cos.shape[1] > head_dim:

@@ -23,8 +23,9 @@ from stableflash.attention.stats import AttentionStats
 from stableflash.attention.triton.options import KernelOptions, kernel_options, set_kernel_options
 from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, spec_name, spec_named, unsupported_reason
 
-__all__ = ["attention", "supports", "supports_policy", "supports_masks", "supports_softcap", "pick_tiles", "tile_picks_state_dict",
-           "load_tile_picks", "HEAD_DIMS", "KernelOptions", "kernel_options", "set_kernel_options"]
+__all__ = ["attention", "supports", "supports_policy", "supports_masks", "supports_softcap", "pick_tiles",
+           "tile_picks_state_dict", "load_tile_picks", "HEAD_DIMS", "KernelOptions", "kernel_options",
+           "set_kernel_options"]
 
 
 def supports(q: torch.Tensor) -> bool:

@@ -78,8 +78,8 @@ def _tile_rows(X, x_off, start, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.co
 
 @triton.jit
 def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr, ROUNDED: tl.constexpr):
-    """Scores from Q·Kᵀ and, under SOFTCAP, the cap's slope d(score)/d(Q·Kᵀ · scale) / softcap = 1 - tanh² (else the
-    scores again, unused). The forward rounds the plain product once (ROUNDED: `mul_rn`), so that a row's maximum
+    """Scores from Q·Kᵀ and, under SOFTCAP, the cap's slope d(score)/d(Q·Kᵀ · scale) / softcap = 1 - tanh² (else
+    the scores again, unused). The forward rounds the plain product once (ROUNDED: `mul_rn`), so that a row's maximum
     gives exp2(0) = 1; the backward leaves the compiler free to fuse it into the exponent's FMA."""
     if SOFTCAP:
         t = 2.0 * tl.sigmoid(2.0 * (qk * scale)) - 1.0  # tanh
@@ -115,7 +115,8 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
             kt = tl.load(kt_ptrs, mask=offs_n[None, :] < T, other=0.0)
         else:
             kt = tl.load(kt_ptrs)
-    s, _ = _scores(dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), False), scale, softcap, SOFTCAP, True)
+    s, _ = _scores(dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), False), scale, softcap, SOFTCAP=SOFTCAP,
+                   ROUNDED=True)
     if MASK:
         s = tl.where(band_visible(offs_m, offs_n, TQ, T, LEFT, RIGHT, qtags, key_tags(key_row, offs_n, T, PAD),
                                   aligned), s, float("-inf"))
@@ -203,8 +204,10 @@ def attn_fwd(
         for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, False, True, STAB, STATS, BETA,
-                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, True, PAD, softcap, SOFTCAP)
+                smax, eps=eps, TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
+                softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, MASKED=True, MASK=True,
+                PAD=PAD, STAB=STAB, STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED,
+                CLAMP_CEIL=CLAMP_CEIL, TMA=TMA, SOFTCAP=SOFTCAP)
     else:
         # key tiles left of the diagonal (causal) or before the ragged end need no mask
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
@@ -212,13 +215,17 @@ def attn_fwd(
         for start_n in range(0, free, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, False, STAB, STATS, BETA,
-                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False, softcap, SOFTCAP)
+                smax, eps=eps, TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
+                softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=False, MASK=False,
+                PAD=False, STAB=STAB, STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED,
+                CLAMP_CEIL=CLAMP_CEIL, TMA=TMA, SOFTCAP=SOFTCAP)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps, T, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N, HEAD_DIM, CAUSAL, True, STAB, STATS, BETA,
-                LOW, HIGH, BOUNDED, CLAMP_CEIL, TMA, False, False, softcap, SOFTCAP)
+                smax, eps=eps, TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
+                softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=True, MASK=False,
+                PAD=False, STAB=STAB, STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED,
+                CLAMP_CEIL=CLAMP_CEIL, TMA=TMA, SOFTCAP=SOFTCAP)
 
     empty = m == float("-inf")  # rows that see no key: O = 0, lse = -inf
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
@@ -237,7 +244,7 @@ def _probs(q, k, lse, offs_m, offs_n, T, scale, TK, LEFT, RIGHT, qtags, ktags, a
            CAUSAL: tl.constexpr, MASKED: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
     """P for one (queries, keys) tile, recomputed from the saved base-2 lse, and the cap's slope (`_scores`)."""
     s, slope = _scores(dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), False), scale, softcap,
-                       SOFTCAP, False)
+                       SOFTCAP=SOFTCAP, ROUNDED=False)
     # P <= 1 exactly; with scores ~1e11 the recomputed S can exceed the saved lse by a few fp32 ulps
     p = tl.math.exp2(tl.minimum(s - lse[:, None], 0.0))
     if MASK:
@@ -252,7 +259,7 @@ def _probs_t(k, q, lse, offs_n, offs_m, T, scale, TK, LEFT, RIGHT, qtags, ktags,
              CAUSAL: tl.constexpr, MASKED: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
     """Pᵀ for one (keys, queries) tile and the cap's slope: the dK/dV kernel's orientation of `_probs`."""
     st, slope = _scores(dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), False), scale, softcap,
-                        SOFTCAP, False)
+                        SOFTCAP=SOFTCAP, ROUNDED=False)
     pt = tl.math.exp2(tl.minimum(st - lse[None, :], 0.0))
     if MASK:
         pt = tl.where(band_visible_t(offs_n, offs_m, T, TK, LEFT, RIGHT, qtags, ktags, aligned), pt, 0.0)
@@ -272,8 +279,9 @@ def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_k
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _tile_rows(K, k_off, start_n, stride_kt, TK, BLOCK_N, HEAD_DIM, TMA)
     v = _tile_rows(V, v_off, start_n, stride_vt, TK, BLOCK_N, HEAD_DIM, TMA)
-    p, slope = _probs(q, k, lse, offs_m, offs_n, T, qk_scale, TK, LEFT, RIGHT, qtags,
-                      key_tags(key_row, offs_n, TK, PAD), aligned, softcap, CAUSAL, MASKED, MASK, SOFTCAP)
+    p, slope = _probs(q, k, lse, offs_m, offs_n, T, qk_scale, TK=TK, LEFT=LEFT, RIGHT=RIGHT, qtags=qtags,
+                      ktags=key_tags(key_row, offs_n, TK, PAD), aligned=aligned, softcap=softcap, CAUSAL=CAUSAL,
+                      MASKED=MASKED, MASK=MASK, SOFTCAP=SOFTCAP)
     dp = dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), False)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
@@ -315,19 +323,22 @@ def attn_bwd_dq(
             lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
         for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, TK, LEFT, RIGHT, key_row, qtags, aligned, softcap, BLOCK_N, HEAD_DIM, False,
-                          True, TMA, True, PAD, SOFTCAP)
+                          qk_scale, dq, TK=TK, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
+                          softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, MASKED=True, TMA=TMA,
+                          MASK=True, PAD=PAD, SOFTCAP=SOFTCAP)
     else:
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
         for start_n in range(0, free, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, T, LEFT, RIGHT, key_row, qtags, aligned, softcap, BLOCK_N, HEAD_DIM, CAUSAL,
-                          False, TMA, False, False, SOFTCAP)
+                          qk_scale, dq, TK=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
+                          softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=False, TMA=TMA,
+                          MASK=False, PAD=False, SOFTCAP=SOFTCAP)
         for start_n in range(free, hi, BLOCK_N):
             dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, T, LEFT, RIGHT, key_row, qtags, aligned, softcap, BLOCK_N, HEAD_DIM, CAUSAL,
-                          True, TMA, False, False, SOFTCAP)
+                          qk_scale, dq, TK=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
+                          softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=True, TMA=TMA,
+                          MASK=False, PAD=False, SOFTCAP=SOFTCAP)
     store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq * scale, offs_m, stride_gt, T, HEAD_DIM)
 
 
@@ -367,8 +378,9 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, start_m, offs_n
     lse = load_lse(LSE + row_off, offs_m, T)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
-    pt, slope = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, TK, LEFT, RIGHT, qtags, ktags, aligned, softcap,
-                         CAUSAL, MASKED, MASK, SOFTCAP)
+    pt, slope = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, TK=TK, LEFT=LEFT, RIGHT=RIGHT, qtags=qtags,
+                         ktags=ktags, aligned=aligned, softcap=softcap, CAUSAL=CAUSAL, MASKED=MASKED, MASK=MASK,
+                         SOFTCAP=SOFTCAP)
     dv = dot(cast(pt, do.dtype), do, dv, False)
     dpt = dot(v, tl.trans(do), tl.zeros((v.shape[0], BLOCK_M), tl.float32), False)
     dst = pt * (dpt - delta[None, :])
@@ -391,16 +403,19 @@ def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, q_off, do_off, first, lo, hi, o
     if GROUP == 1:
         for start_m in range(lo, hi, BLOCK_M):
             dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, 0, start_m, offs_n, T, stride_qh,
-                                stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row,
-                                stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, CAUSAL, MASKED, TMA, MASK, SEG, SOFTCAP)
+                                stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK=TK, LEFT=LEFT, RIGHT=RIGHT,
+                                keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap,
+                                BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=MASKED, TMA=TMA, MASK=MASK,
+                                SEG=SEG, SOFTCAP=SOFTCAP)
     else:
         tiles = tl.cdiv(hi - lo, BLOCK_M)  # <= 0 where there are none
         for i in range(GROUP * tiles):
             g = i // tiles
             dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, lo + (i - g * tiles) * BLOCK_M,
-                                offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK, LEFT,
-                                RIGHT, keep_row, stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, CAUSAL, MASKED, TMA,
-                                MASK, SEG, SOFTCAP)
+                                offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK=TK,
+                                LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags,
+                                softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=MASKED,
+                                TMA=TMA, MASK=MASK, SEG=SEG, SOFTCAP=SOFTCAP)
     return dk, dv
 
 
@@ -440,26 +455,30 @@ def attn_bwd_dkdv(
         else:
             lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
         dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, (lo // BLOCK_M) * BLOCK_M, hi,
-                             offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT,
-                             keep_row, stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, GROUP, False, True, TMA, True, SEG,
-                             SOFTCAP)
+                             offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=TK, LEFT=LEFT, RIGHT=RIGHT,
+                             keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
+                             HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=False, MASKED=True, TMA=TMA, MASK=True,
+                             SEG=SEG, SOFTCAP=SOFTCAP)
     else:
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
         diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
         free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
         dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, lo, diag_end, offs_n, T,
-                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, T, LEFT, RIGHT, keep_row,
-                             stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, True, TMA, False, False,
-                             SOFTCAP)
+                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT,
+                             keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
+                             HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False,
+                             SEG=False, SOFTCAP=SOFTCAP)
         dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, diag_end, free_end, offs_n, T,
-                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, T, LEFT, RIGHT, keep_row,
-                             stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, False, TMA, False, False,
-                             SOFTCAP)
+                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT,
+                             keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
+                             HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=False, TMA=TMA, MASK=False,
+                             SEG=False, SOFTCAP=SOFTCAP)
         dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, free_end, T, offs_n, T,
-                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, T, LEFT, RIGHT, keep_row,
-                             stride_keep, ktags, softcap, BLOCK_M, HEAD_DIM, GROUP, CAUSAL, True, TMA, False, False,
-                             SOFTCAP)
+                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT,
+                             keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
+                             HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False,
+                             SEG=False, SOFTCAP=SOFTCAP)
     out = head_offset(program, H // GROUP, stride_gb, stride_gh)
     store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM)
     store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM)
