@@ -20,8 +20,8 @@ from common import parse_shapes, run_meta  # benchmarks/common.py: the script's 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stableflash import SFA, AttentionStats, flash_attention
+from stableflash.attention import PV_PATH, resolve
 from stableflash.attention import triton as kernels
-from stableflash.attention.triton.spec import emulated_variant
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128)]
 
@@ -34,6 +34,11 @@ def _ours(options=None, **kw):
         with kernels.kernel_options(**options):
             return flash_attention(q, k, v, backend="triton", **kw)
     return run
+
+
+def _pv_in_e8m4():
+    """`paper` with its P̄V path (P̄'s operand, P̄V, the rescaled and the running accumulator) in e8m4."""
+    return resolve("paper").with_sites(**{site: "e8m4" for site in PV_PATH})
 
 
 def _sdpa(backend):
@@ -57,9 +62,9 @@ def implementations(num_heads):
         "stableflash-gqa-shares": _ours(options={"group_sum_in_program": False}),
         "stableflash-sfa-gqa-shares": _ours(options={"group_sum_in_program": False}, stabilize=SFA()),
         # the dose-response study's numerics, as a ratio to `paper` (the same emulation kernels, other roundings)
-        "stableflash-pv-e8m4": _ours(precision=emulated_variant("paper+pv-e8m4")),
-        "stableflash-pv-e8m4-tz": _ours(precision=emulated_variant("paper+pv-e8m4-tz")),
-        "stableflash-pv-e8m4-sr": _ours(precision=emulated_variant("paper+pv-e8m4-sr")),
+        "stableflash-pv-e8m4": _ours(precision=_pv_in_e8m4()),
+        "stableflash-pv-e8m4-tz": _ours(precision=_pv_in_e8m4().with_rounding("toward_zero", PV_PATH)),
+        "stableflash-pv-e8m4-sr": _ours(precision=_pv_in_e8m4().with_rounding("stochastic", PV_PATH)),
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),

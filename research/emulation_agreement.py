@@ -1,8 +1,9 @@
 """How often the fused kernels' emulated presets give the reference's bits, output and gradients.
 
-For each emulated policy (`EMULATED_VARIANTS`), with and without SFA, on fresh random inputs: the fraction of
-entries of O, dQ, dK and dV equal bit for bit to the reference backend's under the same policy. The GPU tests assert
->= 95% of outputs (80% of gradients); this reports the figure. On a GPU, or on the CPU with TRITON_INTERPRET=1.
+For each emulated policy (`EMULATED_VARIANTS` of `tests/attention/variants.py`), with and without SFA, on fresh
+random inputs: the fraction of entries of O, dQ, dK and dV equal bit for bit to the reference backend's under the
+same policy. The GPU tests assert >= 95% of outputs (80% of gradients); this reports the figure. On a GPU, or on the
+CPU with TRITON_INTERPRET=1.
 
     python research/emulation_agreement.py --out results/emulation-agreement/emulation-agreement-h200.json
     TRITON_INTERPRET=1 python research/emulation_agreement.py --shapes 1,2,130,16 --draws 1 --variants paper
@@ -13,13 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from stableflash import SFA, flash_attention
-from stableflash.attention.triton.spec import EMULATED_VARIANTS, INTERPRET, emulated_variant
+from stableflash.attention.triton.spec import INTERPRET
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root: the tests' catalogue
+from tests.attention.variants import EMULATED_VARIANTS, emulated_variant  # noqa: E402
 
 OUTPUTS = ("out", "dq", "dk", "dv")
 

@@ -156,7 +156,7 @@ def test_narrow_formats_and_toward_zero_compile_for_sm90(variant, kernel):
     """The e8mX, toward-zero and stochastic roundings are integer operations on the fp32 bits (the stochastic one's
     random bits a uint32 hash): they compile for the GPU, and the emulation kernels still round every product on
     its own."""
-    from stableflash.attention.triton.spec import emulated_variant
+    from tests.attention.variants import emulated_variant
 
     name = spec_name(emulated_variant(variant), None, torch.bfloat16, 64, 4096)
     config = tuning.emulation_config(False, 64)

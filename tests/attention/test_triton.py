@@ -15,9 +15,9 @@ from stableflash import SFA, AttentionStats, ClampPbar, flash_attention
 from stableflash.attention.precision import PRESETS, SITES, resolve
 from stableflash.attention.stats import STAT_COLUMNS
 from stableflash.attention.triton import kernel_options
-from stableflash.attention.triton.spec import EMULATED_VARIANTS, NARROW_VARIANTS, emulated_variant
 from stableflash.numerics.formats import get_format
 from tests.attention.conftest import rel_err, tied_inputs
+from tests.attention.variants import EMULATED_VARIANTS, NARROW_VARIANTS, emulated_variant
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = [
