@@ -1,4 +1,5 @@
-"""A pytest plugin for flash-attn's `tests/test_flash_attn.py` run against the stand-in package: which cases run.
+"""A pytest plugin for flash-attn's `tests/test_flash_attn.py` run against the stand-in package: which cases run,
+and what a cut-short run still tells.
 
 Deselected, each counted in the summary line pytest prints:
 - cases with dropout (`dropout_p` > 0) or ALiBi (`alibi` True): stableflash supports neither and refuses them;
@@ -7,15 +8,26 @@ Deselected, each counted in the summary line pytest prints:
 - with `--upstream-sample N`, all but one case in N of each test function, picked by a hash of the case's id (the
   same cases on every run), where the function has more than `--upstream-whole` cases in scope (those run whole).
 
-The summary names, per test function, the cases in scope and the cases run; `--upstream-counts FILE` writes them
-as JSON (under pytest-xdist the workers collect, and each writes the same file).
+`--upstream-counts FILE` writes, per test function, the cases in scope and the cases run as JSON (under
+pytest-xdist the workers collect, and each writes the same file). `--upstream-failures FILE` appends one JSON line
+per failed case as it fails (its id and its error's message), so that a run cut short by a time limit still says
+why each case failed. A case that leaves the GPU unusable (a CUDA error: an illegal address, a launch failure) ends
+its worker after it is reported, so that pytest-xdist starts a fresh one and the later cases do not inherit the
+broken CUDA context.
 """
 
 import json
+import os
 import zlib
 from collections import Counter
 
+import pytest
+
 PRIVATE_ENTRY_POINTS = ("test_flash_attn_varlen_paged_kv_num_splits", "test_flash_attn_generator_arg_must_be_none")
+CONTEXT_LOST = ("illegal memory access", "illegal address", "unspecified launch failure", "CUDA error: misaligned",
+                "device-side assert")
+_failures_path = None  # `--upstream-failures`, read at configure time (a report hook gets no config)
+_controller = False  # pytest-xdist's controller: its workers record their own failures, it records their crashes
 
 
 def pytest_addoption(parser):
@@ -23,6 +35,7 @@ def pytest_addoption(parser):
     parser.addoption("--upstream-whole", type=int, default=100, help="functions with at most this many cases in "
                      "scope run whole")
     parser.addoption("--upstream-counts", default=None, help="write the per-function counts to this JSON file")
+    parser.addoption("--upstream-failures", default=None, help="append each failure to this JSON-lines file")
 
 
 def _in_scope(item) -> bool:
@@ -48,6 +61,28 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has sent the report on
+def pytest_runtest_logreport(report):
+    if not report.failed:
+        return
+    text = str(report.longrepr)
+    if _controller and "crashed while running" not in text:
+        return
+    crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)  # "AssertionError: ..."
+    error = crash or next((line for line in reversed(text.splitlines()) if line.strip()), "")
+    if _failures_path:
+        with open(_failures_path, "a") as f:
+            f.write(json.dumps({"case": report.nodeid, "when": report.when, "error": error[:500]}) + "\n")
+    if any(marker in text for marker in CONTEXT_LOST) and os.environ.get("PYTEST_XDIST_WORKER"):
+        os._exit(3)  # after this report: xdist replaces the worker, the next cases get a working CUDA context
+
+
+def pytest_configure(config):
+    global _failures_path, _controller
+    _failures_path = config.getoption("--upstream-failures")
+    _controller = bool(getattr(config.option, "numprocesses", None)) and "PYTEST_XDIST_WORKER" not in os.environ
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -7,9 +7,9 @@ Layout:
 - `common.py`: helpers both share; `tuning.py`: autotuning and the tile picks; `options.py`: the user's switches;
 - `launch.py`: allocation and launches (`kernel[grid](...)`); `ops.py`: the two `torch.library` ops.
 
-Public here: `attention`, `supports`, `supports_policy`, `supports_masks`, `supports_softcap`, `pick_tiles`, the tile picks'
-`tile_picks_state_dict` / `load_tile_picks` (what a checkpoint keeps), and `KernelOptions` / `kernel_options` /
-`set_kernel_options`.
+Public here: `attention`, `supports`, `supports_policy`, `supports_masks`, `supports_softcap`, `pick_tiles`, the
+tile picks' `tile_picks_state_dict` / `load_tile_picks` (what a checkpoint keeps), and `KernelOptions` /
+`kernel_options` / `set_kernel_options`.
 """
 
 from __future__ import annotations

@@ -96,8 +96,6 @@ class TilePicks:
 
     def __init__(self):
         self._picks: dict[PickKey, triton.Config] = {}
-        self.version = 0
-        """Counts the changes: a launch decided from the picks is decided again after one (`launch._PLANS`)."""
 
     @staticmethod
     def key(kernel_name: str, candidates: str, T: int, dtype, meta: dict) -> PickKey:
@@ -110,11 +108,9 @@ class TilePicks:
 
     def record(self, key: PickKey, config: triton.Config) -> None:
         self._picks[key] = config
-        self.version += 1
 
     def clear(self) -> None:
         self._picks.clear()
-        self.version += 1
 
     def __len__(self) -> int:
         return len(self._picks)
@@ -139,7 +135,6 @@ class TilePicks:
                 continue
             self._picks[key] = triton.Config(dict(pick["kwargs"]), num_warps=pick["num_warps"],
                                              num_stages=pick["num_stages"])
-        self.version += 1
         return skipped
 
 

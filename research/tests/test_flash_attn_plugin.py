@@ -1,0 +1,79 @@
+"""The plugin that picks flash-attn's test cases (`research/flash_attn_shim/upstream_cases.py`), on a synthetic test
+file with the same parameter names: what it deselects, what it samples, and the failures it records as they come."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SHIM = Path(__file__).resolve().parents[1] / "flash_attn_shim"
+
+CASES = '''
+import pytest
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.17])
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("n", range(300))
+def test_output(n, alibi, dropout_p):
+    assert n != 7, "seven fails"
+
+def test_flash_attn_generator_arg_must_be_none():
+    pass
+'''
+
+
+def _run(tmp_path, *options):
+    test_file = tmp_path / "test_upstream.py"
+    test_file.write_text(CASES)
+    counts, failures = tmp_path / "counts.json", tmp_path / "failures.jsonl"
+    failures.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-m", "pytest", str(test_file), "-q", "-o", "addopts=", "-p",
+                           "upstream_cases", "-p", "no:cacheprovider", "--upstream-counts", str(counts),
+                           "--upstream-failures", str(failures), *options],
+                          cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                          text=True, timeout=300)
+    lines = failures.read_text().splitlines() if failures.exists() else []
+    return done, json.loads(counts.read_text())["functions"], [json.loads(line) for line in lines]
+
+
+def test_dropout_alibi_and_private_entry_points_are_deselected_and_failures_recorded(tmp_path):
+    done, counts, failures = _run(tmp_path)
+    assert counts == {"test_output": {"in_scope": 300, "run": 300}}, done.stdout[-2000:]
+    assert "1 failed, 299 passed, 901 deselected" in done.stdout, done.stdout[-2000:]
+    assert len(failures) == 1 and "test_output[7-False-0.0]" in failures[0]["case"]
+    assert "seven fails" in failures[0]["error"]
+
+
+def test_a_sample_is_the_same_cases_on_every_run(tmp_path):
+    first = _run(tmp_path, "--upstream-sample", "10", "--upstream-whole", "100")
+    second = _run(tmp_path, "--upstream-sample", "10", "--upstream-whole", "100")
+    run = first[1]["test_output"]["run"]
+    assert 10 < run < 60 and second[1]["test_output"]["run"] == run
+    assert first[0].stdout.splitlines()[-1].split(" in ")[0] == second[0].stdout.splitlines()[-1].split(" in ")[0]
+
+
+LOST_CONTEXT = '''
+import os
+
+def test_a_breaks_the_gpu():
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+def test_b_runs_after_it():
+    with open("pids", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+'''
+
+
+def test_a_case_that_loses_the_cuda_context_ends_its_worker(tmp_path):
+    """Under pytest-xdist the worker exits after reporting the failure; a fresh one runs the next case."""
+    (tmp_path / "test_upstream.py").write_text(LOST_CONTEXT)
+    done = subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-o", "addopts=", "-p",
+                           "upstream_cases", "-p", "no:cacheprovider", "-n", "1", "-p", "no:randomly",
+                           "--upstream-failures", "failures.jsonl", "--max-worker-restart", "4"],
+                          cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                          text=True, timeout=300)
+    failures = [json.loads(line) for line in (tmp_path / "failures.jsonl").read_text().splitlines()]
+    # the worker's own report, then the controller's of its exit; the next case passes in a fresh worker
+    assert [f["case"].split("::")[1] for f in failures] == ["test_a_breaks_the_gpu"] * 2, done.stdout[-2000:]
+    assert "illegal memory access" in failures[0]["error"] and "crashed" in failures[1]["error"]
+    assert "1 passed" in done.stdout and (tmp_path / "pids").exists(), done.stdout[-2000:]
