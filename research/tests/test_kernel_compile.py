@@ -73,6 +73,26 @@ def test_the_masked_native_kernels_compile_for_sm90(kernel, config, tma, packed,
     assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("kernel, config", [("fwd", tuning.FWD_CONFIGS[0]), ("dq", tuning.DQ_CONFIGS[0]),
+                                            ("dkdv", tuning.DKDV_CONFIGS[0])])
+def test_softcap_compiles_for_sm90_in_the_packed_form(kernel, config, tma, monkeypatch):
+    """The cap's tanh and slope (`native._scores`) in the packed masked form at D = 128, fp16 (the case of flash-attn's
+    tests that lost a worker's CUDA context on the H200): it compiles, its wgmmas stay asynchronous."""
+    import offline_compile
+
+    monkeypatch.setitem(offline_compile._POINTERS, "KEEP", "*i32")
+    for tensor in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ"):
+        monkeypatch.setitem(offline_compile._POINTERS, tensor, "*fp16")
+    config = triton.Config({**config.kwargs, "TMA": tma}, num_warps=config.num_warps, num_stages=config.num_stages)
+    name = spec_name(resolve("fa2"), None, torch.float16, 128, 4096)
+    consts = {**constexprs(name, kernel, 128, config, causal=False), "MASK": True, "PAD": True, "SEG": True,
+              "SOFTCAP": True}
+    compiled = compile_kernel(name, kernel, consts, config)
+    assert 0 < resource_usage(compiled)["registers"] <= 255
+    assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
+
+
 @pytest.mark.parametrize("kernel, config", [("fwd", tuning.config(128, 128, 8, 3, TMA=False)),
                                             ("dkdv", tuning.config(32, 128, 4, 3, TMA=False)),
                                             ("dq", tuning.config(128, 32, 4, 3, TMA=False))])
