@@ -199,10 +199,11 @@ def flash_attention(
     # the fused kernels take grouped-query attention as such (no repeated k and v) and masks (Tk != Tq, windows, key
     # padding) in their masked form, one policy for every head
     policy_key, stabilize_key = policy.key, stabilizers.key_of(stabilize)
-    kernels_take = not shaped and not (grouped and policy.head_override is not None) and (
-        not masked or (triton_available(q) and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1], True)))
-    kernels_take = kernels_take and (not capped or (triton_available(q) and _triton_caps(
-        policy_key, stabilize_key, q.dtype, q.shape[-1])))
+    kernels_take = (not shaped and not (grouped and policy.head_override is not None)
+                    and (not masked or (triton_available(q)
+                                        and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1], True)))
+                    and (not capped or (triton_available(q)
+                                        and _triton_caps(policy_key, stabilize_key, q.dtype, q.shape[-1]))))
     if backend == "auto":
         backend = "reference"
         if kernels_take and triton_available(q) and _triton_takes(policy_key, stabilize_key, q.dtype, q.shape[-1],

@@ -23,6 +23,9 @@ from stableflash.attention.api import flash_attention, triton_available
 from stableflash.attention.precision import resolve
 from stableflash.attention.stabilize import check_stabilize
 
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
 
 def _refuse_unsupported(dropout_p, alibi_slopes) -> None:
     if dropout_p != 0.0:
@@ -279,8 +282,8 @@ class _Rotary:
 
 def _one_sequence(q, keys, values, common):
     if keys.shape[1] == 0:  # no key to see: O = 0, lse = -inf, as a fully masked row elsewhere
-        return torch.zeros_like(q), torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"),
-                                               device=q.device)
+        B, Tq, H, _ = q.shape
+        return torch.zeros_like(q), torch.full((B, H, Tq), float("-inf"), device=q.device)
     return flash_attention(q, keys, values, **common)
 
 

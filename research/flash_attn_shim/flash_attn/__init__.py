@@ -7,16 +7,8 @@ named by FLASH_ATTN_REPO, run as an outside oracle and never copied here.
 
 import os
 
-from stableflash.attention.flash_attn import (  # noqa: F401
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
+from stableflash.attention.flash_attn import *  # noqa: F403 - flash-attn's seven functions (its `__all__`)
 
 _upstream = os.environ.get("FLASH_ATTN_REPO")
 if _upstream:  # submodules not found here come from the checkout's package
-    __path__.append(os.path.join(_upstream, "flash_attn"))
+    __path__.append(os.path.join(_upstream, "flash_attn"))  # noqa: F405 - the package's own __path__
