@@ -4,20 +4,21 @@
 # rotary) from the flash-attn checkout REPO (git-ignored, never copied in). Dropout, ALiBi and the extension's
 # private entry points are deselected (research/flash_attn_shim/upstream_cases.py); SAMPLE N runs one case in N
 # of each large test function (default 1: all). Writes OUT/flash-attn-tests.{log,xml}, OUT/cases.json and
-# OUT/failures.jsonl (each failure's error, as it happens).
-#   research/flash_attn_tests.sh REPO OUT [SAMPLE]   (WORKERS: pytest-xdist workers, default 16;
+# OUT/failures.jsonl (each failure's error, as it happens). Arguments after SAMPLE go to pytest (say, -k to pick cases).
+#   research/flash_attn_tests.sh REPO OUT [SAMPLE [PYTEST_ARGS...]]   (WORKERS: pytest-xdist workers, default 16;
 #                                                     EXTRA_PYTHONPATH: where einops is, if not installed)
 set -u
-repo=${1:?usage: research/flash_attn_tests.sh REPO OUT [SAMPLE]}
+repo=${1:?usage: research/flash_attn_tests.sh REPO OUT [SAMPLE [PYTEST_ARGS...]]}
 out=${2:?usage: research/flash_attn_tests.sh REPO OUT [SAMPLE]}
 sample=${3:-1}
+shift $(($# < 3 ? $# : 3))
 mkdir -p "$out"
 export FLASH_ATTN_REPO=$(cd "$repo" && pwd)
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
 python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
   -n "${WORKERS:-16}" --max-worker-restart 256 -v -rf --tb=line --timeout 300 --upstream-sample "$sample" \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
-  --junitxml "$out/flash-attn-tests.xml" > "$out/flash-attn-tests.log" 2>&1
+  --junitxml "$out/flash-attn-tests.xml" "$@" > "$out/flash-attn-tests.log" 2>&1
 status=$?
 grep -oE "(PASSED|FAILED|SKIPPED|ERROR) [^ ]+::[a-z_]+" "$out/flash-attn-tests.log" | sort | uniq -c
 tail -1 "$out/flash-attn-tests.log"
