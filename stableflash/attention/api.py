@@ -242,6 +242,11 @@ def flash_attention(
             raise ValueError("backend: 'triton' needs CUDA tensors and the triton package; "
                              "use backend='reference' or 'auto'")
         from stableflash.attention import triton as triton_backend
+        if _decodes(q, k, v, policy, stabilize, stats, key_padding_mask):
+            out, lse = triton_backend.decode_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       seen=k.shape[2], scale=scale, causal=causal, softcap=softcap,
+                                                       window=tuple(window or (-1, -1)))
+            return (out.transpose(1, 2), lse) if return_lse else out.transpose(1, 2)
         out, lse = triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy, stabilize=stabilize,
                                             stats=stats, window=tuple(window or (-1, -1)),
                                             key_padding=key_padding_mask, softcap=softcap, return_lse=True)
@@ -293,6 +298,28 @@ def _sdpa(q, k, v, scale, vis: Visibility, bias):
         mask = bias.to(q.dtype) if mask is None else mask + bias.to(q.dtype)
     out = _TORCH_SDPA(q, k, v, attn_mask=mask, scale=scale)
     return out if empty is None else out.masked_fill(empty, 0.0)
+
+
+def _decodes(q, k, v, policy: Precision, stabilize, stats, key_padding_mask) -> bool:
+    """Whether an eager call is a decoding step that the split-KV kernel runs (`triton.decode_attention`): a few
+    query rows per key/value head against more keys, no padding mask or statistics, no gradient wanted. The flash
+    kernels would give it one query tile per head, too few programs to read the keys at the memory's speed."""
+    if torch.compiler.is_compiling() or stats is not None or key_padding_mask is not None:
+        return False
+    if k.shape[2] <= q.shape[2] or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        return False
+    from stableflash.attention.triton.options import current
+    rows = q.shape[2] * (q.shape[1] // k.shape[1])
+    return _decodes_by_key(policy.key, stabilizers.key_of(stabilize), q.dtype, q.shape[-1], rows,
+                           current().decode_kernel)
+
+
+@functools.lru_cache(maxsize=1024)  # asked on every eager decoding call; keyed by the option supports_decode reads
+def _decodes_by_key(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, rows: int,
+                    switched_on: bool) -> bool:
+    from stableflash.attention import triton as triton_backend
+    return triton_backend.supports_decode(Precision.from_key(policy_key), stabilizers.from_key(stabilize_key), dtype,
+                                          head_dim, rows)
 
 
 @torch.compiler.assume_constant_result

@@ -17,6 +17,8 @@ along the tokens with cumulative lengths, and `flash_attn_with_kvcache` for deco
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from stableflash.attention.api import flash_attention, triton_available
@@ -229,6 +231,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _write_into_cache(k_cache, v_cache, k, v, rows, lengths, block_table)
     seen = lengths + new
     first = _cache_starts(cache_leftpad, B, seen, q.device)
+    if backend in ("auto", "triton") and _decodes_in_the_kernel(q, k_cache, v_cache, precision, stabilize, stats):
+        from stableflash.attention import triton as kernels
+        out, lse = kernels.decode_attention(q, k_cache, v_cache, seen=seen, first=first, cache_rows=rows,
+                                            block_table=block_table, scale=softmax_scale or q.shape[-1] ** -0.5,
+                                            window=window, causal=causal, softcap=softcap)
+        return (out, lse) if return_softmax_lse else out
     keys, values = _gathered_cache(k_cache, v_cache, rows, block_table, int(seen.max()))
     common = dict(causal=causal, scale=softmax_scale, window=window, layout="bthd", softcap=softcap,
                   precision=precision, stabilize=stabilize, stats=stats, backend=backend, return_lse=True)
@@ -332,6 +340,21 @@ def _gathered_cache(k_cache, v_cache, rows, block_table, length: int):
     if torch.equal(rows, torch.arange(k_cache.shape[0], device=rows.device)):
         return k_cache[:, :length], v_cache[:, :length]
     return k_cache[rows, :length], v_cache[rows, :length]
+
+
+def _decodes_in_the_kernel(q, k_cache, v_cache, precision, stabilize, stats) -> bool:
+    """Whether the decoding kernel (`triton.decode_attention`: split along the cache, pages read in place) runs this
+    call: CUDA, production FA2 numerics without a stabilizer or statistics, a few query rows per key/value head,
+    and no gradient wanted."""
+    if not q.is_cuda or importlib.util.find_spec("triton") is None or stats is not None:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        return False
+    if q.shape[2] % k_cache.shape[2] or not (k_cache.dtype == v_cache.dtype == q.dtype):
+        return False
+    from stableflash.attention import triton as kernels
+    rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
+    return kernels.supports_decode(resolve(precision), check_stabilize(stabilize), q.dtype, q.shape[-1], rows)
 
 
 def _kernels_take_packed(q, k, precision, stabilize) -> bool:

@@ -4,10 +4,12 @@ Layout:
 - `spec.py`: what a `Precision` and stabilizer make the kernels compile (the one registry of specialisations);
 - `native.py`: production FA2 numerics, the fast path; `hopper.py`: its forward in Gluon on sm_90;
 - `emulation.py`: every rounding site of any supported policy, bit-equal to the reference;
+- `decoding.py`: a few queries against a long key/value cache, split along the keys (flash-decoding);
 - `common.py`: helpers both share; `tuning.py`: autotuning and the tile picks; `options.py`: the user's switches;
 - `launch.py`: allocation and launches (`kernel[grid](...)`); `ops.py`: the two `torch.library` ops.
 
-Public here: `attention`, `supports`, `supports_policy`, `supports_masks`, `supports_softcap`, `pick_tiles`, the
+Public here: `attention`, `supports`, `supports_policy`, `supports_masks`, `supports_softcap`, `decode_attention`,
+`supports_decode`, `pick_tiles`, the
 tile picks' `tile_picks_state_dict` / `load_tile_picks` (what a checkpoint keeps), and `KernelOptions` /
 `kernel_options` / `set_kernel_options`.
 """
@@ -20,12 +22,12 @@ from stableflash.attention import stabilize as stab_module
 from stableflash.attention.precision import Precision, resolve
 from stableflash.attention.reference import split_heads
 from stableflash.attention.stats import AttentionStats
-from stableflash.attention.triton.options import KernelOptions, kernel_options, set_kernel_options
+from stableflash.attention.triton.options import KernelOptions, current, kernel_options, set_kernel_options
 from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, spec_name, spec_named, unsupported_reason
 
-__all__ = ["attention", "supports", "supports_policy", "supports_masks", "supports_softcap", "pick_tiles",
-           "tile_picks_state_dict", "load_tile_picks", "HEAD_DIMS", "KernelOptions", "kernel_options",
-           "set_kernel_options"]
+__all__ = ["attention", "supports", "supports_policy", "supports_masks", "supports_softcap", "decode_attention",
+           "supports_decode", "pick_tiles", "tile_picks_state_dict", "load_tile_picks", "HEAD_DIMS", "KernelOptions",
+           "kernel_options", "set_kernel_options"]
 
 
 def supports(q: torch.Tensor) -> bool:
@@ -54,6 +56,39 @@ def supports_masks(policy: Precision, stabilize, dtype: torch.dtype, head_dim: i
             and supports_policy(policy, stabilize, dtype)):
         return False
     return not packed or spec_named(spec_name(policy, stabilize, dtype, head_dim, 1)).native
+
+
+def supports_decode(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, rows: int) -> bool:
+    """Whether decoding calls take `decode_attention`: the `decode_kernel` option on, production FA2 numerics without
+    a stabilizer or a per-head override, fp16/bf16, head dims up to 256, and at most `decoding.MAX_ROWS` query rows
+    per key/value head (`rows`: the group's heads times the queries)."""
+    from stableflash.attention.triton.decoding import MAX_ROWS
+    if not (current().decode_kernel and dtype in INPUT_DTYPES and head_dim <= 256 and rows <= MAX_ROWS
+            and stabilize is None and policy.head_override is None and supports_policy(policy, None, dtype)):
+        return False
+    return spec_named(spec_name(policy, None, dtype, 64, 1)).native
+
+
+def decode_attention(q, k_cache, v_cache, *, seen, first=None, cache_rows=None, block_table=None, scale: float,
+                     window: tuple[int, int] = (-1, -1), causal: bool = False, softcap: float = 0.0):
+    """Queries q (B, TQ, H, D) against a key/value cache, forward only (`decoding.py`): sequence b sees cache
+    positions first[b]..seen[b] - 1 of cache row cache_rows[b] ((B_cache, Tmax, H_kv, D) caches), or of its pages
+    through `block_table` (B, pages) of (num_pages, page_size, H_kv, D) caches; its queries sit at the last TQ
+    positions (causal and `window` aligned to the bottom right). `seen` one int (`first`, `cache_rows` None): each
+    sequence sees that many positions of its own row. Returns (out (B, TQ, H, D), lse (B, H, TQ) fp32, natural log;
+    a query that sees no key: 0 and -inf)."""
+    from stableflash.attention.triton import decoding
+
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(0, right)
+    if q.shape[2] % k_cache.shape[2]:
+        raise ValueError(f"k_cache: {k_cache.shape[2]} key/value heads do not divide q's {q.shape[2]} heads")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache, v_cache: expected q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
+    if not isinstance(seen, int) and (first is None or cache_rows is None):
+        raise ValueError("first, cache_rows: pass both with per-sequence `seen` (or `seen` as one int)")
+    return decoding.decode(q, k_cache, v_cache, seen, first, cache_rows, block_table, scale, (left, right), softcap)
 
 
 def tile_picks_state_dict() -> list[dict]:

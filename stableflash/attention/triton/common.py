@@ -53,6 +53,24 @@ def mul_rn(a, b):
 
 
 @triton.jit
+def scores(qk, scale, softcap, SOFTCAP: tl.constexpr, ROUNDED: tl.constexpr):
+    """Scores from Q·Kᵀ and, under SOFTCAP, the cap's slope d(score)/d(Q·Kᵀ · scale) / softcap = 1 - tanh² (else
+    the scores again, unused). The forward rounds the plain product once (ROUNDED: `mul_rn`), so that a row's maximum
+    gives exp2(0) = 1; the backward leaves the compiler free to fuse it into the exponent's FMA."""
+    if SOFTCAP:
+        t = 2.0 * tl.sigmoid(2.0 * (qk * scale)) - 1.0  # tanh
+        s = softcap * t
+        slope = 1.0 - t * t
+    elif ROUNDED:
+        s = mul_rn(qk, scale)
+        slope = s
+    else:
+        s = qk * scale
+        slope = s
+    return s, slope
+
+
+@triton.jit
 def fp32(x):
     """A float argument in fp32: Triton passes Python floats as fp32, but inductor (launching the traced ops) as
     fp64, which would promote every score computed with it."""

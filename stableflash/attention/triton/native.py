@@ -35,12 +35,12 @@ from stableflash.attention.triton.common import (
     kv_head_offset,
     load_lse,
     load_rows,
-    mul_rn,
     packed_keys,
     packed_queries,
     query_tags,
     query_tile_program,
     row_flags,
+    scores,
     sfa_max,
     shift,
     store_rows,
@@ -76,24 +76,6 @@ def _tile_rows(X, x_off, start, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.co
     return t
 
 
-@triton.jit
-def _scores(qk, scale, softcap, SOFTCAP: tl.constexpr, ROUNDED: tl.constexpr):
-    """Scores from Q·Kᵀ and, under SOFTCAP, the cap's slope d(score)/d(Q·Kᵀ · scale) / softcap = 1 - tanh² (else
-    the scores again, unused). The forward rounds the plain product once (ROUNDED: `mul_rn`), so that a row's maximum
-    gives exp2(0) = 1; the backward leaves the compiler free to fuse it into the exponent's FMA."""
-    if SOFTCAP:
-        t = 2.0 * tl.sigmoid(2.0 * (qk * scale)) - 1.0  # tanh
-        s = softcap * t
-        slope = 1.0 - t * t
-    elif ROUNDED:
-        s = mul_rn(qk, scale)
-        slope = s
-    else:
-        s = qk * scale
-        slope = s
-    return s, slope
-
-
 # -- forward ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -115,7 +97,7 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
             kt = tl.load(kt_ptrs, mask=offs_n[None, :] < T, other=0.0)
         else:
             kt = tl.load(kt_ptrs)
-    s, _ = _scores(dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), False), scale, softcap, SOFTCAP=SOFTCAP,
+    s, _ = scores(dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), False), scale, softcap, SOFTCAP=SOFTCAP,
                    ROUNDED=True)
     if MASK:
         s = tl.where(band_visible(offs_m, offs_n, TQ, T, LEFT, RIGHT, qtags, key_tags(key_row, offs_n, T, PAD),
@@ -243,7 +225,7 @@ def attn_fwd(
 def _probs(q, k, lse, offs_m, offs_n, T, scale, TK, LEFT, RIGHT, qtags, ktags, aligned, softcap,
            CAUSAL: tl.constexpr, MASKED: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
     """P for one (queries, keys) tile, recomputed from the saved base-2 lse, and the cap's slope (`_scores`)."""
-    s, slope = _scores(dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), False), scale, softcap,
+    s, slope = scores(dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), False), scale, softcap,
                        SOFTCAP=SOFTCAP, ROUNDED=False)
     # P <= 1 exactly; with scores ~1e11 the recomputed S can exceed the saved lse by a few fp32 ulps
     p = tl.math.exp2(tl.minimum(s - lse[:, None], 0.0))
@@ -258,7 +240,7 @@ def _probs(q, k, lse, offs_m, offs_n, T, scale, TK, LEFT, RIGHT, qtags, ktags, a
 def _probs_t(k, q, lse, offs_n, offs_m, T, scale, TK, LEFT, RIGHT, qtags, ktags, aligned, softcap,
              CAUSAL: tl.constexpr, MASKED: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr):
     """Pᵀ for one (keys, queries) tile and the cap's slope: the dK/dV kernel's orientation of `_probs`."""
-    st, slope = _scores(dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), False), scale, softcap,
+    st, slope = scores(dot(k, tl.trans(q), tl.zeros((k.shape[0], q.shape[0]), tl.float32), False), scale, softcap,
                         SOFTCAP=SOFTCAP, ROUNDED=False)
     pt = tl.math.exp2(tl.minimum(st - lse[None, :], 0.0))
     if MASK:

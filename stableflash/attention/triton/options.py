@@ -25,6 +25,9 @@ class KernelOptions:
     """Grouped-query attention's dK/dV: each program sums its key/value head's query heads in fp32 before it stores
     (FA3's way); off, each query head's share is stored in the input dtype and summed over the group afterwards
     (flash-attn 2's way: one more pass over H heads of dK and dV, and other last bits)."""
+    decode_kernel: bool = True
+    """Calls of a few query rows per key/value head against a longer cache, with no gradient wanted (decoding): the
+    split-KV kernel (`decoding.py`); off, the flash kernels, which give them one query tile per head."""
 
 
 _current = KernelOptions()

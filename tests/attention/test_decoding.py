@@ -1,0 +1,179 @@
+"""The decoding kernel (`triton/decoding.py`) against fp64 and the reference's FA2 numerics, sequence by sequence, on
+fresh random caches of odd lengths: GQA/MQA, several queries, causal, windows, softcap, pages, left padding.
+
+Runs on a CUDA GPU (also through `flash_attn_with_kvcache`), or on the CPU under Triton's interpreter."""
+
+import os
+
+import pytest
+import torch
+
+from stableflash.attention import flash_attention, flash_attn_with_kvcache
+from stableflash.numerics.formats import get_format
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs a CUDA GPU or TRITON_INTERPRET=1"),
+]
+pytest.importorskip("triton")
+from stableflash.attention import triton as kernels  # noqa: E402
+from stableflash.attention.precision import resolve  # noqa: E402
+from stableflash.attention.triton import decode_attention, kernel_options, supports_decode  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+MAX_LEN = 150 if INTERPRET else 3000  # cache positions per sequence
+PAGE = 16 if INTERPRET else 256
+
+# (batch, queries, heads, kv heads, head dim, causal, window, softcap, paged, left padding)
+CASES = [
+    (3, 1, 4, 4, 64, True, (-1, -1), 0.0, False, False),
+    (2, 3, 8, 2, 80, True, (-1, -1), 0.0, True, False),
+    (3, 2, 6, 1, 32, False, (-1, -1), 30.0, False, True),
+    (2, 1, 4, 2, 64, True, (37, 0), 0.0, True, True),
+    (2, 4, 4, 4, 16, False, (20, 5), 0.0, False, False),
+]
+if not INTERPRET:
+    CASES += [(4, 1, 32, 8, 128, True, (-1, -1), 0.0, True, False), (2, 2, 8, 4, 256, True, (-1, -1), 50.0, False, True)]
+
+
+class _Cache:
+    """A random cache, dense (B + 1 rows, read through a permutation) or paged, and each sequence's visible span."""
+
+    def __init__(self, batch, queries, heads, kv_heads, dim, paged, leftpad, dtype, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.seen = torch.randint(1, MAX_LEN + 1, (batch,), generator=g)
+        self.seen[0] = MAX_LEN
+        self.first = (torch.rand(batch, generator=g) * self.seen).long() if leftpad else torch.zeros_like(self.seen)
+        self.q = torch.randn(batch, queries, heads, dim, generator=g).to(dtype)
+        if paged:
+            pages = -(-MAX_LEN // PAGE)
+            shape = (batch * pages + 3, PAGE, kv_heads, dim)
+            self.table = torch.randperm(shape[0], generator=g)[:batch * pages].reshape(batch, pages).int()
+            self.rows = torch.arange(batch)
+        else:
+            shape = (batch + 1, MAX_LEN, kv_heads, dim)
+            self.table = None
+            self.rows = torch.randperm(batch + 1, generator=g)[:batch]
+        self.k, self.v = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))
+
+    def keys_of(self, b):
+        """(1, span, H_kv, D) keys and values of sequence b."""
+        if self.table is None:
+            k, v = self.k[self.rows[b]], self.v[self.rows[b]]
+        else:
+            k, v = (c[self.table[b].long()].flatten(0, 1) for c in (self.k, self.v))
+        span = slice(int(self.first[b]), int(self.seen[b]))
+        return k[None, span], v[None, span]
+
+    def on(self, device):
+        for name in ("q", "k", "v", "seen", "first", "rows", "table"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
+        return self
+
+
+def _per_sequence(cache, precision, causal, window, softcap):
+    outs, lses = [], []
+    for b in range(cache.q.shape[0]):
+        k, v = cache.keys_of(b)
+        q = cache.q[b:b + 1]
+        if precision == "fp64":
+            q, k, v = q.double(), k.double(), v.double()
+        out, lse = flash_attention(q, k, v, causal=causal, window=window, softcap=softcap, layout="bthd",
+                                   precision=precision, backend="reference", return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _check(ours, ref, exact, what, seed, dtype, ulps=1):
+    """flash-attention's rule: |ours - exact| <= 2 |reference - exact| + `ulps` ulps at the largest entry (the lse's
+    four: fp32 sums in another order and the hardware's exp2)."""
+    ours, ref, exact = (t.detach().cpu().double() for t in (ours, ref, exact))
+    atol = ulps * get_format(dtype).ulp(exact.abs().max().item())
+    err, ref_err = (ours - exact).abs().max().item(), (ref - exact).abs().max().item()
+    assert err <= 2 * ref_err + atol, f"{what}: error {err:.3g}, reference's {ref_err:.3g}, atol {atol:.3g} (seed {seed})"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decoding_is_within_twice_the_references_error(case):
+    B, Tq, H, H_kv, D, causal, window, softcap, paged, leftpad = case
+    seed = int.from_bytes(os.urandom(4), "little")
+    dtype = torch.bfloat16
+    cache = _Cache(B, Tq, H, H_kv, D, paged, leftpad, dtype, seed)
+    exact_out, exact_lse = _per_sequence(cache, "fp64", causal, window, softcap)
+    ref_out, ref_lse = _per_sequence(cache, "fa2", causal, window, softcap)
+    cache.on(DEVICE)
+    out, lse = decode_attention(cache.q, cache.k, cache.v, seen=cache.seen, first=cache.first, cache_rows=cache.rows,
+                                block_table=cache.table, scale=D**-0.5, window=window, causal=causal, softcap=softcap)
+    assert out.shape == cache.q.shape and out.dtype == dtype and lse.shape == (B, H, Tq)
+    _check(out, ref_out, exact_out, "out", seed, dtype)
+    hidden = exact_lse == float("-inf")  # queries before their sequence's first key (causal): O = 0, lse = -inf
+    assert torch.equal(lse.cpu() == float("-inf"), hidden), f"rows without keys (seed {seed})"
+    assert (out.cpu()[hidden.transpose(1, 2)] == 0).all(), f"rows without keys (seed {seed})"
+    _check(lse.cpu()[~hidden], ref_lse[~hidden], exact_lse[~hidden], "lse", seed, torch.float32, ulps=4)
+
+
+def test_a_sequence_without_keys_gives_zeros_and_minus_infinity():
+    cache = _Cache(2, 1, 4, 2, 32, False, False, torch.float16, 0).on(DEVICE)
+    seen = torch.tensor([0, 5], device=DEVICE)
+    out, lse = decode_attention(cache.q, cache.k, cache.v, seen=seen, first=torch.zeros_like(seen),
+                                cache_rows=cache.rows, scale=0.2, causal=True)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_the_decoding_kernel_takes_only_what_it_computes():
+    fa2 = resolve("fa2")
+    assert supports_decode(fa2, None, torch.bfloat16, 256, 64)
+    assert not supports_decode(fa2, None, torch.float32, 64, 1)  # fp32 caches: the flash kernels' reference path
+    assert not supports_decode(fa2, None, torch.bfloat16, 64, 65)  # a prefill's rows
+    assert not supports_decode(resolve("paper"), None, torch.bfloat16, 64, 1)  # emulated numerics
+    with kernel_options(decode_kernel=False):
+        assert not supports_decode(fa2, None, torch.bfloat16, 64, 1)
+    cache = _Cache(1, 1, 4, 3, 32, False, False, torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="k_cache: 3 key/value heads"):
+        decode_attention(cache.q, cache.k, cache.v, seen=cache.seen, first=cache.first, cache_rows=cache.rows,
+                         scale=1.0)
+
+
+@pytest.fixture
+def decoding_calls(monkeypatch):
+    """How many calls reached the decoding kernel."""
+    calls = []
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **kw: calls.append(1) or decode_attention(*a, **kw))
+    return calls
+
+
+@pytest.mark.skipif(INTERPRET, reason="the drop-ins route to the kernel on CUDA tensors")
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_decoding_on_the_gpu_takes_the_kernel_and_matches_the_reference_path(paged, decoding_calls):
+    seed = int.from_bytes(os.urandom(4), "little")
+    cache = _Cache(3, 1, 8, 2, 128, paged, False, torch.bfloat16, seed).on(DEVICE)
+    kwargs = dict(cache_seqlens=cache.seen, cache_batch_idx=None if paged else cache.rows, block_table=cache.table,
+                  causal=True, return_softmax_lse=True)
+    with torch.no_grad():
+        out, lse = flash_attn_with_kvcache(cache.q, cache.k, cache.v, **kwargs)
+        ref, ref_lse = flash_attn_with_kvcache(cache.q, cache.k, cache.v, backend="reference", **kwargs)
+    assert decoding_calls == [1]
+    assert (out.float() - ref.float()).abs().max() < 2e-2, f"seed {seed}"
+    assert (lse - ref_lse).abs().max() < 1e-3, f"seed {seed}"
+
+
+@pytest.mark.skipif(INTERPRET, reason="flash_attention routes to the kernel on CUDA tensors")
+def test_flash_attention_decodes_in_the_kernel_only_without_gradients(decoding_calls):
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 8, 1, 64, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(2, 2, 777, 64, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        out = flash_attention(q, k, v, causal=True, window=(300, 0))
+        with kernel_options(decode_kernel=False):
+            flash = flash_attention(q, k, v, causal=True, window=(300, 0))
+    assert decoding_calls == [1]
+    exact = flash_attention(q.double(), k.double(), v.double(), causal=True, window=(300, 0), precision="fp64",
+                            backend="reference")
+    _check(out, flash, exact, "out", seed, torch.bfloat16)
+    flash_attention(q.requires_grad_(), k, v, causal=True)  # a graph to keep: the flash kernels
+    assert decoding_calls == [1]
