@@ -138,6 +138,19 @@ def test_the_decoding_kernel_takes_only_what_it_computes():
                          scale=1.0)
 
 
+def test_one_length_for_every_sequence_gives_the_per_sequence_calls_bits():
+    cache = _Cache(3, 2, 6, 3, 64, False, False, torch.bfloat16, 1).on(DEVICE)
+    every = torch.full((3,), 100, device=DEVICE)
+    rows = torch.arange(3, device=DEVICE)
+    kw = dict(scale=0.125, causal=True, window=(40, -1))
+    out, lse = decode_attention(cache.q, cache.k, cache.v, seen=100, **kw)
+    each, each_lse = decode_attention(cache.q, cache.k, cache.v, seen=every, first=torch.zeros_like(every),
+                                      cache_rows=rows, **kw)
+    assert torch.equal(out, each) and torch.equal(lse, each_lse)
+    with pytest.raises(ValueError, match="first, cache_rows"):
+        decode_attention(cache.q, cache.k, cache.v, seen=every, scale=1.0)
+
+
 @pytest.fixture
 def decoding_calls(monkeypatch):
     """How many calls reached the decoding kernel."""
