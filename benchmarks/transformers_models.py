@@ -11,7 +11,8 @@ GPT-2, each built twice from one seed: once with `"stableflash"`, once with the 
 - on a GPU, the time of a greedy `generate` of `--new-tokens` tokens after a `--prompt`-token prompt, against the
   baseline in interleaved rounds.
 Then the attention of one decoding step alone (one query per sequence against a long cache): `flash_attn_with_kvcache`
-against SDPA, with the cache bytes read per second. On a GPU the models run in bf16 through the fused kernels; on
+(the decoding kernel, on a dense and a paged cache, and the flash kernels) against SDPA, with the cache bytes read per
+second. On a GPU the models run in bf16 through the fused kernels; on
 the CPU in fp32 through the reference (small shapes, no timing).
 
     python benchmarks/transformers_models.py --out results/drop-ins/transformers-models.json
@@ -128,25 +129,42 @@ def decode_seconds(model, ids, new_tokens: int) -> float:
 
 
 def decode_attention(batch: int, heads: int, kv_heads: int, cache: int, head_dim: int, rounds: int) -> dict:
-    """One decoding step's attention: q (B, 1, H, D) against a (B, cache, H_kv, D) bf16 cache."""
+    """One decoding step's attention: q (B, 1, H, D) against a (B, cache, H_kv, D) bf16 cache, through
+    `flash_attn_with_kvcache` (the split-KV decoding kernel; the same cache in pages of 256 read through a block
+    table; and the flash kernels, with the decoding kernel switched off) against SDPA on the same cache."""
     import triton.testing
+
+    from stableflash.attention.triton import kernel_options
 
     g = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(batch, 1, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(batch, cache, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
+    page = 256
+    table = torch.arange(batch * cache // page, device="cuda", dtype=torch.int32).reshape(batch, -1)
+    k_pages, v_pages = (t.reshape(-1, page, kv_heads, head_dim) for t in (k, v))
     qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
-    ours = lambda: flash_attn_with_kvcache(q, k, v, causal=True)  # noqa: E731
-    theirs = lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=kv_heads != heads)  # noqa: E731
-    error = rel(ours(), theirs().transpose(1, 2))
-    times = {"stableflash": [], "sdpa": []}
-    for _ in range(rounds):
-        times["stableflash"].append(triton.testing.do_bench(ours, warmup=25, rep=100))
-        times["sdpa"].append(triton.testing.do_bench(theirs, warmup=25, rep=100))
+
+    def flash_kernels():
+        with kernel_options(decode_kernel=False):
+            return flash_attn_with_kvcache(q, k, v, causal=True)
+
+    arms = {"stableflash": lambda: flash_attn_with_kvcache(q, k, v, causal=True),
+            "stableflash_paged": lambda: flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table, causal=True),
+            "flash_kernels": flash_kernels,
+            "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=kv_heads != heads)}
+    expected = arms["sdpa"]().transpose(1, 2)
+    errors = {name: rel(arm(), expected) for name, arm in arms.items() if name != "sdpa"}
+    times = {name: [] for name in arms}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, arm in arms.items():
+                times[name].append(triton.testing.do_bench(arm, warmup=25, rep=100))
     cache_bytes = 2 * k.numel() * k.element_size()
     ms = {name: statistics.median(t) for name, t in times.items()}
     return {"shape": {"batch": batch, "heads": heads, "kv_heads": kv_heads, "cache": cache, "head_dim": head_dim},
-            "relative_error": error, "ms": ms, "ratio_to_sdpa": ms["sdpa"] / ms["stableflash"],
+            "relative_error_to_sdpa": errors, "ms": ms,
+            "ratio_to_sdpa": {name: ms["sdpa"] / t for name, t in ms.items() if name != "sdpa"},
             "cache_gb_per_s": {name: cache_bytes / (t * 1e-3) / 1e9 for name, t in ms.items()}}
 
 
@@ -210,12 +228,12 @@ def main():
         write()
         del ours_model, base_model
     if gpu:
-        for cache in (4096, 32768):
-            decode.append(decode_attention(8, 32, 8, cache, 128, args.rounds))
+        for batch, cache in ((1, 4096), (8, 4096), (1, 32768), (8, 32768), (1, 131072)):
+            decode.append(decode_attention(batch, 32, 8, cache, 128, args.rounds))
             d = decode[-1]
-            print(f"decode attention (8, 32 heads / 8, cache {cache}, 128): {d['ms']['stableflash']:.3f} ms "
-                  f"against SDPA's {d['ms']['sdpa']:.3f} ({d['ratio_to_sdpa']:.2f}x), "
-                  f"{d['cache_gb_per_s']['stableflash']:.0f} GB/s of cache read", flush=True)
+            print(f"decode attention ({batch}, 32 heads / 8, cache {cache}, 128): " + ", ".join(
+                f"{name} {t * 1e3:.0f} us {d['cache_gb_per_s'][name]:.0f} GB/s" for name, t in d["ms"].items()),
+                flush=True)
             write()
     write()
 
