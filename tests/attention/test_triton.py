@@ -436,15 +436,19 @@ PACKED_LENGTHS = {  # queries and keys per sequence: odd lengths, one of 1; then
     "a long sequence": ([7, 170, 20], [7, 170, 20]),  # tiles inside one sequence's band run unmasked
     # many more queries than keys: whole query tiles see no key (causal to the bottom right)
     "more queries than keys": ([150, 5, 130], [20, 70, 3]),
+    # flash-attn's decoding shape, and multi-head (a dK/dV program per query head): with a window, key tiles that no
+    # query sees, whose empty loops once read out of bounds on the GPU (`common._seen_range`)
+    "one query each, many keys": ([1, 1, 1, 1], [147, 130, 139, 128]),
 }
+PACKED_KV_HEADS = {"one query each, many keys": 4}  # else 2 of the 4 query heads' (GQA)
 
 
 @pytest.mark.parametrize("lengths", list(PACKED_LENGTHS))
 @pytest.mark.parametrize("causal, window", [(True, None), (True, (9, 0)), (False, (6, 4)), (False, None),
                                            (True, (-1, 3)), (False, (0, -1))])
 def test_packed_sequences_run_in_one_kernel_call(causal, window, lengths, monkeypatch):
-    """flash_attn_varlen_func's packed batch in one masked call of the kernels, GQA, each sequence causal to its own
-    bottom right: outputs and gradients within twice the per-sequence reference's error against fp64."""
+    """flash_attn_varlen_func's packed batch in one masked call of the kernels, GQA (or MHA), each sequence causal to
+    its own bottom right: outputs and gradients within twice the per-sequence reference's error against fp64."""
     from stableflash.attention import triton as backend
     from stableflash.attention.flash_attn import flash_attn_varlen_func
     from stableflash.attention.triton import launch
@@ -456,7 +460,8 @@ def test_packed_sequences_run_in_one_kernel_call(causal, window, lengths, monkey
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(q_offsets[-1], H, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
-    k, v = (torch.randn(k_offsets[-1], 2, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    kv_heads = PACKED_KV_HEADS.get(lengths, 2)
+    k, v = (torch.randn(k_offsets[-1], kv_heads, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
             for _ in range(2))
     dout = torch.randn(q_offsets[-1], H, D, generator=g).to(torch.bfloat16).to(DEVICE)
     cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=DEVICE) for o in (q_offsets, k_offsets))

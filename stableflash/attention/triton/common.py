@@ -153,30 +153,37 @@ def query_tags(KEEP_ROW, stride, offs_m, T, TK, SEG: tl.constexpr):
 
 
 @triton.jit
+def _seen_range(seen, lo, hi):
+    """The union [min lo, max hi) of the rows that see something, or [0, 0). An empty range must not start near
+    2^31: a loop over it is still pipelined, and the pipeliner's next iterates (lo + a tile, predicated on being
+    below hi) overflow to negative offsets that pass that test and every mask, and read out of bounds."""
+    hi = tl.max(tl.where(seen, hi, 0), 0)
+    return tl.minimum(tl.min(tl.where(seen, lo, 2147483647), 0), hi), hi
+
+
+@triton.jit
 def packed_keys(KEEP_ROW, stride, offs_m, T, aligned, LEFT, RIGHT):
     """[lo, hi) of the keys that queries offs_m of a packed batch see: each in its sequence's keys, within the band
-    from its aligned position (`query_tags`); lo > hi where none sees a key. lo is not rounded to a tile."""
+    from its aligned position (`query_tags`); lo = hi = 0 where none sees a key. lo is not rounded to a tile."""
     ok = offs_m < T
     start = tl.load(KEEP_ROW + stride + offs_m, mask=ok, other=0)
     end = tl.load(KEEP_ROW + 2 * stride + offs_m, mask=ok, other=0)
     lo = tl.where(LEFT >= 0, tl.maximum(start, aligned - LEFT), start)
     hi = tl.where(RIGHT >= 0, tl.minimum(end, aligned + RIGHT + 1), end)
-    seen = ok & (lo < hi)
-    return tl.min(tl.where(seen, lo, 2147483647), 0), tl.max(tl.where(seen, hi, 0), 0)
+    return _seen_range(ok & (lo < hi), lo, hi)
 
 
 @triton.jit
 def packed_queries(KEY_ROW, stride, offs_n, TK, LEFT, RIGHT):
     """[lo, hi) of the queries that see keys offs_n of a packed batch (KEY_ROW: the table at the keys' columns):
-    query i sees key j of its sequence where -LEFT <= j - (i + shift) <= RIGHT; lo > hi where none does."""
+    query i sees key j of its sequence where -LEFT <= j - (i + shift) <= RIGHT; lo = hi = 0 where none does."""
     ok = offs_n < TK
     start = tl.load(KEY_ROW + stride + offs_n, mask=ok, other=0)
     end = tl.load(KEY_ROW + 2 * stride + offs_n, mask=ok, other=0)
     shifted = offs_n - tl.load(KEY_ROW + 3 * stride + offs_n, mask=ok, other=0)
     lo = tl.where(RIGHT >= 0, tl.maximum(start, shifted - RIGHT), start)
     hi = tl.where(LEFT >= 0, tl.minimum(end, shifted + LEFT + 1), end)
-    seen = ok & (lo < hi)
-    return tl.min(tl.where(seen, lo, 2147483647), 0), tl.max(tl.where(seen, hi, 0), 0)
+    return _seen_range(ok & (lo < hi), lo, hi)
 
 
 @triton.jit
