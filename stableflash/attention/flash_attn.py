@@ -205,18 +205,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _refuse_unsupported(0.0, alibi_slopes)
     _check_rank("q", q, 4, "(B, Tq, H, D)")
     B, Tq = q.shape[:2]
-    rows = torch.arange(B, device=q.device) if cache_batch_idx is None else cache_batch_idx.to(q.device).long()
     if block_table is None:
         _check_rank("k_cache", k_cache, 4, "(B_cache, Tmax, H_kv, D)")
         capacity = k_cache.shape[1]
     else:
         _check_rank("block_table", block_table, 2, "(B, pages)")
         capacity = block_table.shape[1] * k_cache.shape[1]
-    lengths = _cache_lengths(cache_seqlens, B, capacity, q.device, paged=block_table is not None)
-    new = 0 if k is None else k.shape[1]
     if (k is None) != (v is None):
         raise ValueError("k, v: pass both new keys and values, or neither")
     window = _window(window_size)
+    decoding = backend in ("auto", "triton") and _decodes_in_the_kernel(q, k_cache, v_cache, precision, stabilize,
+                                                                        stats)
+    scale = softmax_scale or q.shape[-1] ** -0.5
+    if decoding and k is None and rotary_cos is None and None is cache_seqlens is cache_batch_idx is cache_leftpad:
+        from stableflash.attention import triton as kernels  # every sequence its own whole cache: nothing to build
+        out, lse = kernels.decode_attention(q, k_cache, v_cache, seen=capacity, block_table=block_table, scale=scale,
+                                            window=window, causal=causal, softcap=softcap)
+        return (out, lse) if return_softmax_lse else out
+    rows = torch.arange(B, device=q.device) if cache_batch_idx is None else cache_batch_idx.to(q.device).long()
+    lengths, longest = _cache_lengths(cache_seqlens, B, capacity, q.device, paged=block_table is not None)
+    new = 0 if k is None else k.shape[1]
     if rotary_cos is not None or rotary_sin is not None:
         rotary = _Rotary.checked(rotary_cos, rotary_sin, q.shape[-1], rotary_interleaved)
         if k is not None:
@@ -225,19 +233,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         offsets = torch.arange(Tq, device=q.device) if aligned else torch.zeros(Tq, dtype=torch.long, device=q.device)
         q = rotary(q, lengths[:, None] + offsets)
     if k is not None:
-        if (lengths + new > capacity).any():
+        if longest + new > capacity:
             raise CacheBoundsError(f"k: {new} new keys do not fit the cache's {capacity} positions (block_table's "
                                    f"pages times their size when paged) after {lengths.tolist()}")
         _write_into_cache(k_cache, v_cache, k, v, rows, lengths, block_table)
     seen = lengths + new
     first = _cache_starts(cache_leftpad, B, seen, q.device)
-    if backend in ("auto", "triton") and _decodes_in_the_kernel(q, k_cache, v_cache, precision, stabilize, stats):
+    if decoding:
         from stableflash.attention import triton as kernels
         out, lse = kernels.decode_attention(q, k_cache, v_cache, seen=seen, first=first, cache_rows=rows,
-                                            block_table=block_table, scale=softmax_scale or q.shape[-1] ** -0.5,
+                                            longest=longest + new, block_table=block_table, scale=scale,
                                             window=window, causal=causal, softcap=softcap)
         return (out, lse) if return_softmax_lse else out
-    keys, values = _gathered_cache(k_cache, v_cache, rows, block_table, int(seen.max()))
+    keys, values = _gathered_cache(k_cache, v_cache, rows, block_table, longest + new)
     common = dict(causal=causal, scale=softmax_scale, window=window, layout="bthd", softcap=softcap,
                   precision=precision, stabilize=stabilize, stats=stats, backend=backend, return_lse=True)
     if cache_leftpad is None and bool((seen == seen[0]).all()):  # one length: one call, causal to the cache's end
@@ -305,15 +313,17 @@ def _cache_starts(cache_leftpad, batch: int, seen: torch.Tensor, device) -> torc
     return starts
 
 
-def _cache_lengths(cache_seqlens, batch: int, capacity: int, device, paged: bool) -> torch.Tensor:
+def _cache_lengths(cache_seqlens, batch: int, capacity: int, device, paged: bool) -> tuple[torch.Tensor, int]:
+    """Each sequence's cached keys (B,) and the most of them, checked against the capacity (one read back)."""
     if cache_seqlens is None:
-        return torch.full((batch,), capacity, dtype=torch.long, device=device)
+        return torch.full((batch,), capacity, dtype=torch.long, device=device), capacity
     lengths = torch.as_tensor(cache_seqlens, device=device).long().reshape(-1).expand(batch)
-    if (lengths < 0).any() or (lengths > capacity).any():
+    least, most = (int(x) for x in lengths.aminmax()) if batch else (0, 0)
+    if least < 0 or most > capacity:
         held = "block_table's pages hold" if paged else "the cache holds"
         raise CacheBoundsError(f"cache_seqlens: expected 0..{capacity} ({held} {capacity} positions), got "
                                f"{lengths.tolist()}")
-    return lengths
+    return lengths, most
 
 
 def _write_into_cache(k_cache, v_cache, k, v, rows, lengths, block_table) -> None:

@@ -190,3 +190,35 @@ def test_flash_attention_decodes_in_the_kernel_only_without_gradients(decoding_c
     _check(out, flash, exact, "out", seed, torch.bfloat16)
     flash_attention(q.requires_grad_(), k, v, causal=True)  # a graph to keep: the flash kernels
     assert decoding_calls == [1]
+
+
+@pytest.mark.parametrize("form", ["whole caches", "lengths and new keys", "pages, left padding", "rows picked"])
+def test_kvcache_calls_reach_the_kernel_with_each_sequences_span(form, monkeypatch):
+    """flash_attn_with_kvcache's forms through the decoding kernel (on the CPU too, its route forced) against its
+    reference path: the new keys written first, lengths, left padding, pages and picked cache rows."""
+    import stableflash.attention.flash_attn as dropins
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    paged = form.startswith("pages")
+    cache = _Cache(3, 2, 8, 2, 64, paged, False, torch.bfloat16, seed).on(DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    kwargs = dict(causal=True, return_softmax_lse=True, block_table=cache.table)
+    if form != "whole caches":
+        kwargs["cache_seqlens"] = (cache.seen - 3).clamp(min=0)
+    if form == "lengths and new keys":
+        kwargs["k"], kwargs["v"] = (torch.randn(3, 3, 2, 64, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    if paged:
+        kwargs["cache_leftpad"] = torch.tensor([2, 0, 5], device=DEVICE).clamp(max=kwargs["cache_seqlens"])
+    if form == "rows picked":
+        kwargs["cache_batch_idx"] = cache.rows
+    k_ref, v_ref = cache.k.clone(), cache.v.clone()
+    ref, ref_lse = flash_attn_with_kvcache(cache.q, k_ref, v_ref, backend="reference", **kwargs)
+    calls = []
+    monkeypatch.setattr(dropins, "_decodes_in_the_kernel", lambda *a: calls.append(1) or True)
+    with torch.no_grad():
+        out, lse = flash_attn_with_kvcache(cache.q, cache.k, cache.v, **kwargs)
+    assert calls == [1]
+    assert torch.equal(cache.k, k_ref) and torch.equal(cache.v, v_ref), "the new keys written as the reference writes"
+    assert (out.float() - ref.float()).abs().max() < 2e-2, f"seed {seed}"
+    finite = ref_lse > float("-inf")
+    assert torch.equal(lse > float("-inf"), finite) and (lse - ref_lse)[finite].abs().max() < 1e-3, f"seed {seed}"

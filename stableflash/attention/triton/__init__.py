@@ -69,14 +69,16 @@ def supports_decode(policy: Precision, stabilize, dtype: torch.dtype, head_dim: 
     return spec_named(spec_name(policy, None, dtype, 64, 1)).native
 
 
-def decode_attention(q, k_cache, v_cache, *, seen, first=None, cache_rows=None, block_table=None, scale: float,
-                     window: tuple[int, int] = (-1, -1), causal: bool = False, softcap: float = 0.0):
+def decode_attention(q, k_cache, v_cache, *, seen, first=None, cache_rows=None, longest: int | None = None,
+                     block_table=None, scale: float, window: tuple[int, int] = (-1, -1), causal: bool = False,
+                     softcap: float = 0.0):
     """Queries q (B, TQ, H, D) against a key/value cache, forward only (`decoding.py`): sequence b sees cache
     positions first[b]..seen[b] - 1 of cache row cache_rows[b] ((B_cache, Tmax, H_kv, D) caches), or of its pages
     through `block_table` (B, pages) of (num_pages, page_size, H_kv, D) caches; its queries sit at the last TQ
     positions (causal and `window` aligned to the bottom right). `seen` one int (`first`, `cache_rows` None): each
-    sequence sees that many positions of its own row. Returns (out (B, TQ, H, D), lse (B, H, TQ) fp32, natural log;
-    a query that sees no key: 0 and -inf)."""
+    sequence sees that many positions of its own row. `longest`: at least max(seen - first), which sizes the splits
+    (default: read back from the GPU). Returns (out (B, TQ, H, D), lse (B, H, TQ) fp32, natural log; a query that
+    sees no key: 0 and -inf)."""
     from stableflash.attention.triton import decoding
 
     left, right = window
@@ -88,7 +90,12 @@ def decode_attention(q, k_cache, v_cache, *, seen, first=None, cache_rows=None, 
         raise ValueError(f"k_cache, v_cache: expected q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
     if not isinstance(seen, int) and (first is None or cache_rows is None):
         raise ValueError("first, cache_rows: pass both with per-sequence `seen` (or `seen` as one int)")
-    return decoding.decode(q, k_cache, v_cache, seen, first, cache_rows, block_table, scale, (left, right), softcap)
+    if isinstance(seen, int):
+        longest = seen
+    elif longest is None:
+        longest = int((seen - first).max()) if len(seen) else 0
+    return decoding.decode(q, k_cache, v_cache, seen, first, cache_rows, longest, block_table, scale, (left, right),
+                           softcap)
 
 
 def tile_picks_state_dict() -> list[dict]:

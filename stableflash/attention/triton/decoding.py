@@ -138,22 +138,18 @@ def _tiles(head_dim: int) -> tuple[int, int]:
     return (64 if block_d > 64 else 128), block_d
 
 
-def decode(q, k_cache, v_cache, seen, first, cache_rows, block_table, scale: float, window: tuple[int, int],
-           softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(q, k_cache, v_cache, seen, first, cache_rows, longest: int, block_table, scale: float,
+           window: tuple[int, int], softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, TQ, H, D) against each sequence's cache positions first[b]..seen[b] - 1, with causal and
     window folded into `window` (left, right) as the kernels' band. k_cache, v_cache: (B_cache, Tmax, H_kv, D) read
     at rows `cache_rows` (B,), or pages (num_pages, page_size, H_kv, D) through `block_table` (B, pages). `seen`,
-    `first`: (B,) ints; or `seen` one int and `first`, `cache_rows` None: every sequence sees that many positions of
-    its own row. Returns (out (B, TQ, H, D) in q's dtype, lse (B, H, TQ) fp32, natural log)."""
+    `first`, `cache_rows`: (B,) integer tensors; or `seen` one int and `first`, `cache_rows` None: every sequence
+    sees that many positions of its own row. `longest` >= max(seen - first) sizes the splits. Returns (out (B, TQ,
+    H, D) in q's dtype, lse (B, H, TQ) fp32, natural log)."""
     B, TQ, H, D = q.shape
     group = H // k_cache.shape[2]
     block_n, block_d = _tiles(D)
     uniform = isinstance(seen, int)
-    if uniform:
-        longest = seen
-    else:
-        longest = int((seen - first).max()) if B else 0  # the most positions one sequence's rows see together
-        seen, first, cache_rows = seen.to(torch.int32), first.to(torch.int32), cache_rows.to(torch.int32)
     if window[0] >= 0:
         longest = min(longest, window[0] + TQ)
     per_sequence = max(1, -(-_programs_to_fill(q.device) // max(1, B * (H // group))))
@@ -165,7 +161,7 @@ def decode(q, k_cache, v_cache, seen, first, cache_rows, block_table, scale: flo
     lse_part = torch.empty(B, H, TQ, splits, device=q.device, dtype=torch.float32)
     paged = block_table is not None
     placeholder = lse_part  # for the pointers a call does not read
-    table = block_table.to(torch.int32) if paged else placeholder
+    table = block_table if paged else placeholder
     if softcap > 0:
         kernel_scale, kernel_softcap = scale / softcap, softcap * LOG2E
     else:
