@@ -61,6 +61,9 @@ def implementations(num_heads):
         # dK/dV of each query head stored and summed over its group afterwards, as flash-attn 2 does
         "stableflash-gqa-shares": _ours(options={"group_sum_in_program": False}),
         "stableflash-sfa-gqa-shares": _ours(options={"group_sum_in_program": False}, stabilize=SFA()),
+        # no dQ kernel: the dK/dV programs add dQ with atomics (FA2's backward; not deterministic, so opt-in)
+        "stableflash-atomic-dq": _ours(options={"atomic_dq": True}),
+        "stableflash-sfa-atomic-dq": _ours(options={"atomic_dq": True}, stabilize=SFA()),
         # the dose-response study's numerics, as a ratio to `paper` (the same emulation kernels, other roundings)
         "stableflash-pv-e8m4": _ours(precision=_pv_in_e8m4()),
         "stableflash-pv-e8m4-tz": _ours(precision=_pv_in_e8m4().with_rounding("toward_zero", PV_PATH)),

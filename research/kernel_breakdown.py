@@ -3,7 +3,8 @@
 For each shape, torch.profiler's CUDA time per kernel (µs per call, after a warm-up call that compiles and
 autotunes) of `fa2`, SFA, SFA + statistics (the fused kernels) and SDPA's cuDNN backend, each kernel named in one of
 four parts: forward, dQ (with δ: our dQ kernel writes it), dK/dV (cuDNN: its one fused backward kernel, dQ
-by atomics included), and other (preprocessing, dQ conversion, fills, sums):
+by atomics included; ours too with `KernelOptions(atomic_dq=True)`), and other (preprocessing, dQ conversion, fills,
+sums):
 
     python research/kernel_breakdown.py --out OUT.json [--shapes "16,12,1024,64;8,32,2048,128"]
 """
@@ -20,6 +21,7 @@ from kernel_times import profiled  # research/kernel_times.py: the script's own 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stableflash import SFA, AttentionStats, flash_attention
+from stableflash.attention.triton import kernel_options
 
 SHAPES = "16,12,1024,64;4,12,4096,64;4,16,4096,128;8,32,2048,128;1,16,16384,128"
 PARTS = ("forward", "dQ", "dK/dV", "other")
@@ -41,6 +43,11 @@ def implementations(H: int):
     ours = {"fa2": {}, "SFA": {"stabilize": SFA()}, "SFA + stats": {"stabilize": SFA(), "stats": stats}}
     runs = {name: (lambda q, k, v, o=options: flash_attention(q, k, v, backend="triton", layout="bhtd", **o))
             for name, options in ours.items()}
+
+    def atomic_dq(q, k, v):  # SFA without the dQ kernel: dQ added by the dK/dV programs (`KernelOptions.atomic_dq`)
+        with kernel_options(atomic_dq=True):
+            return flash_attention(q, k, v, backend="triton", layout="bhtd", stabilize=SFA())
+    runs["SFA, dQ by atomics"] = atomic_dq
 
     def cudnn(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -23,7 +23,7 @@ SM90 = GPUTarget("cuda", 90, 32)
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "OS", "DO", "DK", "DV", "DQ")},
-             **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX")}, "STAT_COUNTS": "*i64", "KEEP": "*u8"}
+             **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX", "DQ_ACC")}, "STAT_COUNTS": "*i64", "KEEP": "*u8"}
 _FLOATS = {"scale", "qk_scale", "eps", "softcap"}
 KERNELS = {(True, "fwd"): native.attn_fwd, (True, "dq"): native.attn_bwd_dq, (True, "dkdv"): native.attn_bwd_dkdv,
            (False, "fwd"): emulation.attn_fwd, (False, "delta_dpp"): emulation.attn_bwd_delta_dpp,

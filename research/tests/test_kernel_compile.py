@@ -77,7 +77,7 @@ def test_the_masked_native_kernels_compile_for_sm90(kernel, config, tma, packed,
 @pytest.mark.parametrize("kernel, config", [("fwd", tuning.FWD_CONFIGS[0]), ("dq", tuning.DQ_CONFIGS[0]),
                                             ("dkdv", tuning.DKDV_CONFIGS[0])])
 def test_softcap_compiles_for_sm90_in_the_packed_form(kernel, config, tma, monkeypatch):
-    """The cap's tanh and slope (`native._scores`) in the packed masked form at D = 128, fp16 (the case of flash-attn's
+    """The cap's tanh and slope (`common.scores`) in the packed masked form at D = 128, fp16 (the case of flash-attn's
     tests that lost a worker's CUDA context on the H200): it compiles, its wgmmas stay asynchronous."""
     import offline_compile
 
@@ -101,6 +101,20 @@ def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
     ours must not be among them. SFA + statistics at D = 128, the heaviest native specialisation."""
     compiled = _compile("fa2", kernel, config, SFA(), head_dim=128, stats=kernel == "fwd")
     assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
+
+
+@pytest.mark.parametrize("head_dim, tma", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_dkdv_program_adding_dq_with_atomics_compiles_for_sm90(head_dim, tma, group):
+    """`KernelOptions.atomic_dq`: the dK/dV program's third product (dSᵀ·K) and its fp32 atomic adds compile, the
+    wgmmas stay asynchronous, and registers stay within the SM's (no GPU measured its speed yet)."""
+    config = tuning.config(64, 128, 8, 3, TMA=tma) if head_dim == 128 else tuning.config(32, 128, 4, 3, TMA=tma)
+    name = _name("fa2", head_dim=head_dim)
+    consts = {**constexprs(name, "dkdv", head_dim, config), "GROUP": group, "ATOMIC_DQ": True}
+    compiled = compile_kernel(name, "dkdv", consts, config)
+    assert "red.global" in compiled.asm["ptx"] or "atom.global" in compiled.asm["ptx"]
+    assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
+    assert 0 < resource_usage(compiled)["registers"] <= 255
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -132,6 +132,44 @@ def test_softcap_runs_in_the_kernels_within_twice_the_reference_error(case, stab
         assert torch.allclose(lse.cpu().double()[seen], exact_lse.detach()[seen], atol=2e-2), f"seed {seed}"
 
 
+ATOMIC_DQ_CASES = {  # Tq, Tk, causal, window, kv heads (of 4), the group summed in the dK/dV program, softcap
+    "causal, several tiles": (130, 130, True, None, 4, True, 0.0),
+    "not causal, GQA in the program": (77, 77, False, None, 2, True, 0.0),
+    "GQA, each head's share": (77, 77, True, None, 1, False, 0.0),
+    "Tk > Tq, a window, softcap": (45, 93, True, (20, 0), 4, True, 5.0),
+}
+
+
+@pytest.mark.parametrize("case", list(ATOMIC_DQ_CASES))
+def test_the_backward_adding_dq_with_atomics_is_within_twice_the_reference_error(case):
+    """`KernelOptions(atomic_dq=True)`: no dQ kernel; δ from its own kernel and dQ added by the dK/dV programs. All
+    three gradients within twice the reference's error against fp64, dK and dV bit-equal to the default backward's
+    (the same programs, the same order), the forward untouched."""
+    Tq, Tk, causal, window, kv_heads, in_program, cap = ATOMIC_DQ_CASES[case]
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    D = 16 if INTERPRET else 64
+    q = torch.randn(2, 4, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(2, kv_heads, Tk, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(2, 4, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    kw = dict(causal=causal, window=window, softcap=cap)
+    with kernel_options(group_sum_in_program=in_program):
+        with kernel_options(atomic_dq=True):
+            ours = _run(functools.partial(_attention, **kw), q, k, v, dout)
+        default = _run(functools.partial(_attention, **kw), q, k, v, dout)
+    ref = _run(functools.partial(flash_attention, backend="reference", **kw), q, k, v, dout)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **kw), *leaves,
+                 dout.cpu().double())
+    for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+        assert torch.isfinite(a).all(), (name, f"seed {seed}")
+        _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
+    for name, a, b in zip(["out", "dk", "dv"], [ours[0], *ours[2:]], [default[0], *default[2:]]):
+        assert torch.equal(a, b), (name, f"seed {seed}")
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_fa2_with_the_dp_p_delta_within_twice_the_reference_error(causal):
     # δ = rowsum(dP ∘ P) recomputed over the keys (the isolation study's δ formula) in native numerics

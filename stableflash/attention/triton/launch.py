@@ -17,9 +17,10 @@ import torch
 import triton
 
 from stableflash.attention.stats import STAT_COLUMNS
-from stableflash.attention.triton import emulation, options
+from stableflash.attention.triton import emulation, native, options
 from stableflash.attention.triton.spec import INTERPRET, KernelSpec, spec_named
 from stableflash.attention.triton.tuning import (
+    DELTA_CONFIG,
     INTERPRETER_CONFIG,
     NATIVE_DKDV,
     NATIVE_DQ,
@@ -303,6 +304,9 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
     dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, G, T)
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, G, T)
+    atomic_dq = spec.native and options.current().atomic_dq
+    dq_acc = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device) if atomic_dq else \
+        torch.empty(0, dtype=torch.float32, device=q.device)  # what the dK/dV programs add dQ / scale into
     masking = _band_args(band, T, TK, lse)
     launch = {"HEAD_DIM": D, "CAUSAL": causal, **_band_meta(band, spec.native)}
 
@@ -322,10 +326,18 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         grouped = {"GROUP": G} if in_program else {}  # absent otherwise: MHA's picks keep their keys
         kernel_scale, kernel_softcap, capped = _scales(scale, softcap, spec)
         scales = (kernel_scale, scale)  # the scores' (`_scales`), and dQ's and dK's natural one
-        _launch_tuned(NATIVE_DQ, rows, (*dq_args, *scales, *masking, kernel_softcap), {**launch, **capped}, T=T,
-                      dtype=q.dtype, either=either)
-        _launch_tuned(NATIVE_DKDV, cols, (*dkdv_args, *scales, *masking, kernel_softcap),
-                      {**launch, **grouped, **capped}, T=T, dtype=q.dtype, either=either)
+        if atomic_dq:  # δ alone; dQ comes from the dK/dV programs
+            _launch(native.attn_bwd_delta, rows, (o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T),
+                    {"HEAD_DIM": D}, DELTA_CONFIG)
+        else:
+            _launch_tuned(NATIVE_DQ, rows, (*dq_args, *scales, *masking, kernel_softcap), {**launch, **capped}, T=T,
+                          dtype=q.dtype, either=either)
+        native_dkdv = (*dkdv_args[:8], dq_acc, *dkdv_args[8:])
+        atomic = {"ATOMIC_DQ": True} if atomic_dq else {}  # absent when off: the picks keep their keys
+        _launch_tuned(NATIVE_DKDV, cols, (*native_dkdv, *scales, *masking, kernel_softcap),
+                      {**launch, **grouped, **capped, **atomic}, T=T, dtype=q.dtype, either=either)
+        if atomic_dq:
+            dq.copy_(dq_acc.mul_(scale))
     else:
         config = emulation_config(spec.ops_fp32, D)
         if spec.delta_constants is not None:

@@ -348,11 +348,13 @@ def _group_rows(X, x_off, g, stride_h, start, stride_t, T, ROWS: tl.constexpr, H
 
 
 @triton.jit
-def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, start_m, offs_n, T, stride_qh, stride_qt, stride_doh,
-               stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, softcap,
+def _dkdv_tile(k, v, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, g, start_m, offs_n, T, stride_qh, stride_qt,
+               stride_doh, stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, softcap,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-               TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One query tile's share of dK and dV, of the group's query head g (batch·head first + g)."""
+               TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr, SOFTCAP: tl.constexpr,
+               ATOMIC_DQ: tl.constexpr):
+    """One query tile's share of dK and dV, of the group's query head g (batch·head first + g); with ATOMIC_DQ also
+    its share of dQ / scale, added into the fp32 (B, H, T, HEAD_DIM) DQ_ACC."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _group_rows(Q, q_off, g, stride_qh, start_m, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
     do = _group_rows(DO, do_off, g, stride_doh, start_m, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
@@ -368,15 +370,20 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, start_m, offs_n
     dst = pt * (dpt - delta[None, :])
     if SOFTCAP:
         dst = dst * slope
-    return dot(cast(dst, q.dtype), q, dk, False), dv
+    dst_op = cast(dst, q.dtype)
+    if ATOMIC_DQ:  # this key tile's share of dQ: the separate dQ kernel would recompute P and dP for it
+        dq = dot(tl.trans(dst_op), k, tl.zeros((BLOCK_M, HEAD_DIM), tl.float32), False)
+        dq_ptrs = DQ_ACC + (row_off + offs_m[:, None]) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        tl.atomic_add(dq_ptrs, dq, mask=offs_m[:, None] < T, sem="relaxed")
+    return dot(dst_op, q, dk, False), dv
 
 
 @triton.jit
-def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, q_off, do_off, first, lo, hi, offs_n, T, stride_qh, stride_qt,
-                stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, softcap,
+def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, lo, hi, offs_n, T, stride_qh,
+                stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, softcap,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """The query tiles at lo, lo + BLOCK_M, ... below hi of each of the group's GROUP query heads, added to dk, dv.
 
     A group's heads run as one loop over (head, tile) pairs, which the compiler pipelines as it does one head's
@@ -384,38 +391,52 @@ def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, q_off, do_off, first, lo, hi, o
     (`research/offline_compile.py`)."""
     if GROUP == 1:
         for start_m in range(lo, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, 0, start_m, offs_n, T, stride_qh,
-                                stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK=TK, LEFT=LEFT, RIGHT=RIGHT,
-                                keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap,
+            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, 0, start_m, offs_n, T,
+                                stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK=TK, LEFT=LEFT,
+                                RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap,
                                 BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=MASKED, TMA=TMA, MASK=MASK,
-                                SEG=SEG, SOFTCAP=SOFTCAP)
+                                SEG=SEG, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
     else:
         tiles = tl.cdiv(hi - lo, BLOCK_M)  # <= 0 where there are none
         for i in range(GROUP * tiles):
             g = i // tiles
-            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, q_off, do_off, first, g, lo + (i - g * tiles) * BLOCK_M,
-                                offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK=TK,
-                                LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags,
-                                softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=MASKED,
-                                TMA=TMA, MASK=MASK, SEG=SEG, SOFTCAP=SOFTCAP)
+            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, g,
+                                lo + (i - g * tiles) * BLOCK_M, offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot,
+                                qk_scale, dk, dv, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
+                                stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
+                                HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=MASKED, TMA=TMA, MASK=MASK, SEG=SEG,
+                                SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
     return dk, dv
 
 
 @triton.jit
+def attn_bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, H, T,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """δ = rowsum(dO ∘ O) of one query tile, fp32, where the dQ kernel does not run to write it (ATOMIC_DQ)."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
+    o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=offs_m < T)
+
+
+@triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, G, T, qk_scale, scale, KEEP, stride_keep,
     TK, LEFT, RIGHT, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, GROUP: tl.constexpr = 1, SEG: tl.constexpr = False,
-    SOFTCAP: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False,
 ):
     """dK and dV (both with strides `stride_g*`) of one key tile, over the query tiles that see it. With GROUP > 1
     (grouped-query attention, GROUP = G) a program serves one key/value head and sums its group's query heads in
     fp32 before it stores, as flash-attn 3 does, on a grid (B·H / G, key tiles): every head's first key tiles, which
     see the most causal query tiles, start before any head's last. Else one query head's share, grid (key tiles,
-    B·H) (GQA with `group_sum_in_program` off, or under emulation: summed over each group by the launcher)."""
+    B·H) (GQA with `group_sum_in_program` off, or under emulation: summed over each group by the launcher).
+    ATOMIC_DQ (`KernelOptions.atomic_dq`): each program also adds its key tile's share of dQ / scale into the fp32
+    DQ_ACC with atomics (FA2's backward, without the dQ kernel; δ from `attn_bwd_delta`), in no fixed order."""
     qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
     pid_n = tl.program_id(1) if GROUP > 1 else tl.program_id(0)
     program = tl.program_id(0) if GROUP > 1 else tl.program_id(1)
@@ -436,31 +457,31 @@ def attn_bwd_dkdv(
             lo, hi = packed_queries(keep_row + T, stride_keep, offs_n, TK, LEFT, RIGHT)
         else:
             lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, (lo // BLOCK_M) * BLOCK_M, hi,
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, DQ_ACC, q_off, do_off, first, (lo // BLOCK_M) * BLOCK_M, hi,
                              offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=TK, LEFT=LEFT, RIGHT=RIGHT,
                              keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
                              HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=False, MASKED=True, TMA=TMA, MASK=True,
-                             SEG=SEG, SOFTCAP=SOFTCAP)
+                             SEG=SEG, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
     else:
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
         diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
         free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, lo, diag_end, offs_n, T,
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, DQ_ACC, q_off, do_off, first, lo, diag_end, offs_n, T,
                              stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT,
                              keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
                              HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False,
-                             SEG=False, SOFTCAP=SOFTCAP)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, diag_end, free_end, offs_n, T,
+                             SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, DQ_ACC, q_off, do_off, first, diag_end, free_end, offs_n, T,
                              stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT,
                              keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
                              HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=False, TMA=TMA, MASK=False,
-                             SEG=False, SOFTCAP=SOFTCAP)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, q_off, do_off, first, free_end, T, offs_n, T,
+                             SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, DQ_ACC, q_off, do_off, first, free_end, T, offs_n, T,
                              stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT,
                              keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
                              HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False,
-                             SEG=False, SOFTCAP=SOFTCAP)
+                             SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
     out = head_offset(program, H // GROUP, stride_gb, stride_gh)
     store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM)
     store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM)

@@ -1,7 +1,7 @@
 """`KernelOptions`: the one set of switches a user may change about how the fused kernels launch.
 
 None changes the policy: each chooses between implementations of the native (production FA2) numerics, each
-measured faster where it is on. Turn one off to compare, or to rule it out when something looks wrong:
+measured faster where it is on by default. Turn one off to compare, or to rule it out when something looks wrong:
 
     from stableflash.attention.triton import kernel_options
     with kernel_options(hopper_forward=False):
@@ -25,6 +25,10 @@ class KernelOptions:
     """Grouped-query attention's dK/dV: each program sums its key/value head's query heads in fp32 before it stores
     (FA3's way); off, each query head's share is stored in the input dtype and summed over the group afterwards
     (flash-attn 2's way: one more pass over H heads of dK and dV, and other last bits)."""
+    atomic_dq: bool = False
+    """The native backward without its dQ kernel: the dK/dV programs add each key tile's share of dQ into fp32 with
+    atomics (flash-attn 2's way), so P and dP are computed once rather than twice. Off by default: atomics add in no
+    fixed order, so dQ's last bits vary from run to run, and a resumed run is no longer bit-exact."""
     decode_kernel: bool = True
     """Calls of a few query rows per key/value head against a longer cache, with no gradient wanted (decoding): the
     split-KV kernel (`decoding.py`); off, the flash kernels, which give them one query tile per head."""

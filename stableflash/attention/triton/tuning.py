@@ -35,6 +35,7 @@ DKDV_CONFIGS = [config(32, 128, 4, 3), config(32, 128, 4, 5), config(64, 128, 8,
 DQ_CONFIGS = [config(128, 32, 4, 3), config(128, 32, 4, 5), config(128, 64, 8, 3), config(128, 64, 4, 3),
               config(64, 64, 4, 3), config(64, 32, 4, 3)]
 INTERPRETER_CONFIG = config(64, 64, 4, 2)
+DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=1)  # δ alone: one pass over dO and O
 
 
 def emulation_config(ops_fp32: bool, head_dim: int) -> triton.Config:
@@ -61,15 +62,15 @@ class Tunable(NamedTuple):
     either: triton.runtime.Autotuner | None
 
     @classmethod
-    def of(cls, kernel, configs, key, restore=()) -> Tunable:
+    def of(cls, kernel, configs, key, restore=(), reset=()) -> Tunable:
         if INTERPRET:
             return cls(kernel, tuple(key), None, None)
 
         def tuned(candidates):
-            # the statistics kernel adds counts with atomics, on the eager path into the caller's running totals:
-            # autotuning's trial runs must leave them as they found them
+            # kernels that add with atomics: the statistics into the caller's running totals (`restore`: autotuning's
+            # trial runs leave them as they found them), dQ into a zeroed buffer (`reset`: zeroed again after them)
             return triton.autotune(candidates, key=list(key), prune_configs_by={"early_config_prune": _prune},
-                                   restore_value=list(restore))(kernel)
+                                   restore_value=list(restore), reset_to_zero=list(reset))(kernel)
 
         def with_tma(c, tma):
             return triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages)
@@ -85,7 +86,8 @@ BAND_SWITCHES = ("MASK", "PAD", "SEG")
 NATIVE_FWD = Tunable.of(native.attn_fwd, FWD_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *BAND_SWITCHES),
                         restore=("STAT_COUNTS",))
 NATIVE_DQ = Tunable.of(native.attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES))
-NATIVE_DKDV = Tunable.of(native.attn_bwd_dkdv, DKDV_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES, "GROUP"))
+NATIVE_DKDV = Tunable.of(native.attn_bwd_dkdv, DKDV_CONFIGS,
+                         ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES, "GROUP", "ATOMIC_DQ"), reset=("DQ_ACC",))
 
 
 PickKey = tuple
