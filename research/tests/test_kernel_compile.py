@@ -117,6 +117,30 @@ def test_the_dkdv_program_adding_dq_with_atomics_compiles_for_sm90(head_dim, tma
     assert 0 < resource_usage(compiled)["registers"] <= 255
 
 
+@pytest.mark.parametrize("head_dim, paged, uniform, softcap", [(128, False, True, False), (128, True, False, False),
+                                                              (80, False, False, True), (256, True, True, False)])
+def test_the_decoding_kernels_compile_for_sm90(head_dim, paged, uniform, softcap, monkeypatch):
+    """The split-KV decoding kernel (GQA: 4 query heads per program) and its combine: they compile for sm_90, with
+    tensor-core products and pipelined (cp.async) loads, the split kernel without spilling (the combine keeps 8 bytes
+    of stack at D = 256)."""
+    import offline_compile
+
+    from stableflash.attention.triton import decoding
+
+    for name, kind in {"O_PART": "*fp32", "LSE_PART": "*fp32", "FIRST": "*i64", "CACHE_ROWS": "*i64",
+                       "TABLE": "*i32", "OUT": "*bf16", "SEEN": "i32" if uniform else "*i64"}.items():
+        monkeypatch.setitem(offline_compile._POINTERS, name, kind)
+    block_n, block_d = decoding._tiles(head_dim)
+    split = compile_function(decoding._decode_split, {
+        "GROUP": 4, "HEAD_DIM": head_dim, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_D": block_d, "PAGED": paged,
+        "SOFTCAP": softcap, "UNIFORM": uniform}, {"num_warps": 4, "num_stages": 3})
+    assert "mma" in split.asm["ptx"] and "cp.async" in split.asm["ptx"]
+    assert resource_usage(split)["spill_stack_bytes"] == 0, resource_usage(split)
+    combine = compile_function(decoding._decode_combine, {"HEAD_DIM": head_dim, "BLOCK_S": 16, "BLOCK_D": block_d},
+                               {"num_warps": 4})
+    assert resource_usage(combine)["spill_stack_bytes"] <= 8, resource_usage(combine)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_a_grouped_dkdv_program_compiles_like_mhas(head_dim):
     """GQA's dK/dV program sums its group of 4 query heads in one loop over (query head, query tile) pairs: its wgmmas

@@ -222,3 +222,20 @@ def test_kvcache_calls_reach_the_kernel_with_each_sequences_span(form, monkeypat
     assert (out.float() - ref.float()).abs().max() < 2e-2, f"seed {seed}"
     finite = ref_lse > float("-inf")
     assert torch.equal(lse > float("-inf"), finite) and (lse - ref_lse)[finite].abs().max() < 1e-3, f"seed {seed}"
+
+
+def test_many_splits_are_combined_a_block_at_a_time(monkeypatch):
+    """More splits than the combine takes at once (16): a 2,600-position cache in 21 splits of one tile each."""
+    from stableflash.attention.triton import decoding
+
+    monkeypatch.setattr(decoding, "_programs_to_fill", lambda device: 100)
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, 4, 16, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2600, 1, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    kw = dict(causal=True, window=(-1, -1), softcap=0.0, layout="bthd", backend="reference", return_lse=True)
+    exact, exact_lse = flash_attention(q.double(), k.double(), v.double(), precision="fp64", **kw)
+    ref, _ = flash_attention(q, k, v, precision="fa2", **kw)
+    out, lse = decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), seen=2600, scale=0.25, causal=True)
+    _check(out, ref, exact, "out", seed, torch.bfloat16)
+    assert (lse.cpu().double() - exact_lse).abs().max() < 1e-3, f"seed {seed}"

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from stableflash.attention.triton.common import cast, dot, fp32, scores, shift
+from stableflash.attention.triton.spec import LOG2E
 
-LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 MAX_ROWS = 64  # GROUP · TQ above this is a prefill: the flash kernels run it
 
@@ -104,21 +104,30 @@ def _decode_split(
 @triton.jit
 def _decode_combine(O_PART, LSE_PART, OUT, LSE, stride_ob, stride_ot, stride_oh, H, TQ, SPLITS,
                     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (sequence, head, query) row: its splits weighted by their share of the row's exponentials. Writes the
-    output in OUT's dtype and the natural log-sum-exp; a row that sees no key gets O = 0 and lse = -inf."""
+    """One (sequence, head, query) row: its splits weighted by their share of the row's exponentials, BLOCK_S splits
+    at a time (two passes: the largest log-sum-exp, then the weighted sum). Writes the output in OUT's dtype and the
+    natural log-sum-exp; a row that sees no key gets O = 0 and lse = -inf."""
     row = tl.program_id(0)
     b, rest = row // (H * TQ), row % (H * TQ)
     head, t = rest // TQ, rest % TQ
-    splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    lse = tl.load(LSE_PART + row.to(tl.int64) * SPLITS + splits, mask=splits < SPLITS, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.math.exp2(lse - shift(top))
-    total = tl.sum(weight, 0)
-    parts = tl.load(O_PART + (row.to(tl.int64) * SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
-                    mask=(splits < SPLITS)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    first = row.to(tl.int64) * SPLITS
+    top = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, SPLITS, BLOCK_S):
+        splits = start + tl.arange(0, BLOCK_S)
+        top = tl.maximum(top, tl.max(tl.load(LSE_PART + first + splits, mask=splits < SPLITS, other=float("-inf")), 0))
+    total = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for start in range(0, SPLITS, BLOCK_S):
+        splits = start + tl.arange(0, BLOCK_S)
+        weight = tl.math.exp2(tl.load(LSE_PART + first + splits, mask=splits < SPLITS, other=float("-inf"))
+                              - shift(top))
+        parts = tl.load(O_PART + (first + splits)[:, None] * HEAD_DIM + dims[None, :],
+                        mask=(splits < SPLITS)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+        total += tl.sum(weight, 0)
+        acc += tl.sum(weight[:, None] * parts, 0)
     empty = top == float("-inf")
-    o = tl.where(empty, 0.0, tl.sum(weight[:, None] * parts, 0) / tl.where(empty, 1.0, total))
+    o = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, total))
     out = OUT + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + dims
     tl.store(out, cast(o, OUT.dtype.element_ty), mask=dims < HEAD_DIM)
     tl.store(LSE + row, tl.where(empty, float("-inf"), (top + tl.math.log2(total)) / _LOG2E))
@@ -177,6 +186,5 @@ def decode(q, k_cache, v_cache, seen, first, cache_rows, longest: int, block_tab
     out = torch.empty_like(q)
     lse = torch.empty(B, H, TQ, device=q.device, dtype=torch.float32)
     _decode_combine[(B * H * TQ,)](o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2), H, TQ,
-                                   splits, HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                                   BLOCK_D=block_d, num_warps=4)
+                                   splits, HEAD_DIM=D, BLOCK_S=16, BLOCK_D=block_d, num_warps=4)
     return out, lse
