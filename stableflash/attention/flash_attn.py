@@ -216,8 +216,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     window = _window(window_size)
     decoding = backend in ("auto", "triton") and _decodes_in_the_kernel(q, k_cache, v_cache, precision, stabilize,
                                                                         stats)
-    scale = softmax_scale or q.shape[-1] ** -0.5
-    if decoding and k is None and rotary_cos is None and None is cache_seqlens is cache_batch_idx is cache_leftpad:
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    whole_caches = cache_seqlens is None and cache_batch_idx is None and cache_leftpad is None
+    if decoding and whole_caches and k is None and rotary_cos is None:
         from stableflash.attention import triton as kernels  # every sequence its own whole cache: nothing to build
         out, lse = kernels.decode_attention(q, k_cache, v_cache, seen=capacity, block_table=block_table, scale=scale,
                                             window=window, causal=causal, softcap=softcap)

@@ -9,9 +9,8 @@ Layout:
 - `launch.py`: allocation and launches (`kernel[grid](...)`); `ops.py`: the two `torch.library` ops.
 
 Public here: `attention`, `supports`, `supports_policy`, `supports_masks`, `supports_softcap`, `decode_attention`,
-`supports_decode`, `pick_tiles`, the
-tile picks' `tile_picks_state_dict` / `load_tile_picks` (what a checkpoint keeps), and `KernelOptions` /
-`kernel_options` / `set_kernel_options`.
+`supports_decode`, `pick_tiles`, the tile picks' `tile_picks_state_dict` / `load_tile_picks` (what a checkpoint
+keeps), and `KernelOptions` / `kernel_options` / `set_kernel_options`.
 """
 
 from __future__ import annotations

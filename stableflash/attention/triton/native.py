@@ -2,7 +2,8 @@
 
 fp32 statistics and accumulators, P̄ and dS cast to the input dtype for the tensor-core matmuls, scores in base-2
 units so that the exponentials are `exp2` (the launcher folds log2(e) into the scale). Three kernels: the forward,
-and the backward's dQ (which also writes δ = rowsum(dO ∘ O)) and dK/dV, launched in that order.
+and the backward's dQ (which also writes δ = rowsum(dO ∘ O)) and dK/dV, launched in that order; or, with
+`ATOMIC_DQ` (`KernelOptions.atomic_dq`), δ alone (`attn_bwd_delta`) and a dK/dV kernel that adds dQ with atomics.
 
 Compile-time features, none paid for when off: `STAB` 0 plain, 1 SFA (the seed's Algorithm 3 per key tile, bounded
 or not), 2 ClampPbar; `SOFTCAP` caps the scores as softcap · tanh(S / softcap) (Gemma 2's; `scale` is then the
