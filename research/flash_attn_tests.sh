@@ -5,6 +5,7 @@
 # private entry points are deselected (research/flash_attn_shim/upstream_cases.py); SAMPLE N runs one case in N
 # of each large test function (default 1: all). Writes OUT/flash-attn-tests.{log,xml}, OUT/cases.json and
 # OUT/failures.jsonl (each failure's error, as it happens). Arguments after SAMPLE go to pytest (say, -k to pick cases).
+# The kernels launch at fixed tiles, untuned (TILES=tuned: autotune each shape, as a user's first call does).
 #   research/flash_attn_tests.sh REPO OUT [SAMPLE [PYTEST_ARGS...]]   (WORKERS: pytest-xdist workers, default 16;
 #                                                     EXTRA_PYTHONPATH: where einops is, if not installed)
 set -u
@@ -18,7 +19,7 @@ export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_
 python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
   -n "${WORKERS:-16}" --max-worker-restart 256 -v -rf --tb=line --timeout 300 --upstream-sample "$sample" \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
-  --junitxml "$out/flash-attn-tests.xml" "$@" > "$out/flash-attn-tests.log" 2>&1
+  --junitxml "$out/flash-attn-tests.xml" $([ "${TILES:-fixed}" = fixed ] && echo --upstream-fixed-tiles) "$@" > "$out/flash-attn-tests.log" 2>&1
 status=$?
 grep -oE "(PASSED|FAILED|SKIPPED|ERROR) [^ ]+::[a-z_]+" "$out/flash-attn-tests.log" | sort | uniq -c
 tail -1 "$out/flash-attn-tests.log"

@@ -13,7 +13,8 @@ pytest-xdist the workers collect, and each writes the same file). `--upstream-fa
 per failed case as it fails (its id and its error's message), so that a run cut short by a time limit still says
 why each case failed. A case that leaves the GPU unusable (a CUDA error: an illegal address, a launch failure) ends
 its worker after it is reported, so that pytest-xdist starts a fresh one and the later cases do not inherit the
-broken CUDA context.
+broken CUDA context. `--upstream-fixed-tiles` launches every kernel at its first candidate tile instead of
+autotuning each of the file's many shapes (`KernelOptions.autotune`): the cases test results, not speed.
 """
 
 import json
@@ -36,6 +37,8 @@ def pytest_addoption(parser):
                      "scope run whole")
     parser.addoption("--upstream-counts", default=None, help="write the per-function counts to this JSON file")
     parser.addoption("--upstream-failures", default=None, help="append each failure to this JSON-lines file")
+    parser.addoption("--upstream-fixed-tiles", action="store_true", help="launch the kernels untuned, at their "
+                     "first candidate tile")
 
 
 def _in_scope(item) -> bool:
@@ -83,6 +86,9 @@ def pytest_configure(config):
     global _failures_path, _controller
     _failures_path = config.getoption("--upstream-failures")
     _controller = bool(getattr(config.option, "numprocesses", None)) and "PYTEST_XDIST_WORKER" not in os.environ
+    if config.getoption("--upstream-fixed-tiles"):
+        from stableflash.attention.triton import set_kernel_options
+        set_kernel_options(autotune=False)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -77,3 +77,22 @@ def test_a_case_that_loses_the_cuda_context_ends_its_worker(tmp_path):
     assert [f["case"].split("::")[1] for f in failures] == ["test_a_breaks_the_gpu"] * 2, done.stdout[-2000:]
     assert "illegal memory access" in failures[0]["error"] and "crashed" in failures[1]["error"]
     assert "1 passed" in done.stdout and (tmp_path / "pids").exists(), done.stdout[-2000:]
+
+
+TILES = '''
+from stableflash.attention.triton import kernel_options
+
+def test_tiles():
+    with kernel_options() as now:
+        assert not now.autotune
+'''
+
+
+def test_fixed_tiles_turn_autotuning_off_in_each_process(tmp_path):
+    test_file = tmp_path / "test_tiles.py"
+    test_file.write_text(TILES)
+    done = subprocess.run([sys.executable, "-m", "pytest", str(test_file), "-q", "-o", "addopts=", "-p",
+                           "upstream_cases", "-p", "no:cacheprovider", "--upstream-fixed-tiles", "-n", "2"],
+                          cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                          text=True, timeout=300)
+    assert "1 passed" in done.stdout, done.stdout[-2000:]

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from stableflash.attention.precision import resolve  # noqa: E402
-from stableflash.attention.triton import launch  # noqa: E402
+from stableflash.attention.triton import kernel_options, launch, tuning  # noqa: E402
 from stableflash.attention.triton.spec import spec_name  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[2] / "stableflash"
@@ -26,8 +26,9 @@ def test_the_package_uses_no_private_triton_api():
 
 
 def test_every_switch_a_native_launch_passes_is_in_its_autotuners_key(monkeypatch):
-    """A masked, padded, packed or grouped launch is tuned for itself: each compile-time switch the launcher passes
-    (the band's, `GROUP`) is part of the autotuner's key, so it never reuses the plain launch's pick."""
+    """A masked, padded, packed, grouped or atomic-dQ launch is tuned for itself: each compile-time switch the
+    launcher passes (the band's, `GROUP`, `ATOMIC_DQ`) is part of the autotuner's key, so it never reuses the plain
+    launch's pick."""
     passed = []
     monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(launch, "hopper", None)
@@ -44,8 +45,25 @@ def test_every_switch_a_native_launch_passes_is_in_its_autotuners_key(monkeypatc
         lse = torch.zeros(qb.shape[:3], dtype=torch.float32)
         launch.forward(qb, kb, vb, True, 0.125, name, False, 1e-3, band=band)
         launch.backward(db, qb, kb, vb, qb, lse, True, 0.125, name, band=band)
-    switches = {"MASK", "PAD", "SEG", "GROUP"}
+        with kernel_options(atomic_dq=True):
+            launch.backward(db, qb, kb, vb, qb, lse, True, 0.125, name, band=band)
+    switches = {"MASK", "PAD", "SEG", "GROUP", "ATOMIC_DQ"}
     assert switches <= {name for _, meta in passed for name in meta}  # every form was launched
     for tunable, meta in passed:
         missing = (set(meta) & switches) - set(tunable.key)
         assert not missing, f"{tunable.kernel.__name__} is tuned without {sorted(missing)} in its key"
+
+
+def test_without_autotuning_a_launch_takes_its_kernels_first_candidate(monkeypatch):
+    """`KernelOptions(autotune=False)`: a launch without a pick takes the kernel's first candidate tile, with pointer
+    loads, records no pick and runs no autotuner; a pick (a resumed run's) still wins."""
+    launched = []
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(launch, "_launch", lambda kernel, grid, args, meta, config: launched.append((kernel, config)))
+    picks = len(tuning.TILE_PICKS)
+    with kernel_options(autotune=False):
+        for tunable in (tuning.NATIVE_FWD, tuning.NATIVE_DQ, tuning.NATIVE_DKDV):
+            launch._launch_tuned(tunable, None, (), {"HEAD_DIM": 64}, T=100, dtype=torch.bfloat16, either=True)
+    assert launched == [(t.kernel, t.first) for t in (tuning.NATIVE_FWD, tuning.NATIVE_DQ, tuning.NATIVE_DKDV)]
+    assert all(config.kwargs["TMA"] is False for _, config in launched)
+    assert len(tuning.TILE_PICKS) == picks

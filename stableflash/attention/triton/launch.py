@@ -47,7 +47,8 @@ def _launch(kernel, grid, args: tuple, meta: dict, config: triton.Config) -> Non
 
 
 def _launch_tuned(tunable: Tunable, grid, args: tuple, meta: dict, *, T: int, dtype, either: bool) -> None:
-    """A native kernel with its picked tile, or autotuned (over TMA loads too when `either`) and the pick recorded."""
+    """A native kernel with its picked tile, or autotuned (over TMA loads too when `either`) and the pick recorded;
+    with `KernelOptions.autotune` off, its first candidate tile."""
     if INTERPRET:
         _launch(tunable.kernel, grid, args, {**meta, "TMA": False}, INTERPRETER_CONFIG)
         return
@@ -55,6 +56,9 @@ def _launch_tuned(tunable: Tunable, grid, args: tuple, meta: dict, *, T: int, dt
     picked = TILE_PICKS.get(key)
     if picked is not None:
         _launch(tunable.kernel, grid, args, meta, picked)
+        return
+    if not options.current().autotune:  # untuned and unrecorded: a later tuned launch still picks for itself
+        _launch(tunable.kernel, grid, args, meta, tunable.first)
         return
     tuner = tunable.either if either else tunable.pointers
     tuner[grid](*args, **meta)

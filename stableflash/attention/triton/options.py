@@ -25,6 +25,9 @@ class KernelOptions:
     """Grouped-query attention's dK/dV: each program sums its key/value head's query heads in fp32 before it stores
     (FA3's way); off, each query head's share is stored in the input dtype and summed over the group afterwards
     (flash-attn 2's way: one more pass over H heads of dK and dV, and other last bits)."""
+    autotune: bool = True
+    """Autotune each native launch that has no tile pick yet; off, it takes the kernel's first candidate tile (pointer
+    loads), untuned and not recorded: for tests and one-off shapes, where the tuning costs more than it saves."""
     atomic_dq: bool = False
     """The native backward without its dQ kernel: the dK/dV programs add each key tile's share of dQ into fp32 with
     atomics (flash-attn 2's way), so P and dP are computed once rather than twice. Off by default: atomics add in no

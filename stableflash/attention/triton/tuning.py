@@ -60,11 +60,15 @@ class Tunable(NamedTuple):
     """The arguments whose values the autotuners tune for separately (with the tensors' dtypes)."""
     pointers: triton.runtime.Autotuner | None
     either: triton.runtime.Autotuner | None
+    first: triton.Config
+    """The first candidate with pointer loads: the tile launched untuned (`KernelOptions.autotune` off)."""
 
     @classmethod
     def of(cls, kernel, configs, key, restore=(), reset=()) -> Tunable:
+        first = triton.Config({**configs[0].kwargs, "TMA": False}, num_warps=configs[0].num_warps,
+                              num_stages=configs[0].num_stages)
         if INTERPRET:
-            return cls(kernel, tuple(key), None, None)
+            return cls(kernel, tuple(key), None, None, first)
 
         def tuned(candidates):
             # kernels that add with atomics: the statistics into the caller's running totals (`restore`: autotuning's
@@ -76,7 +80,7 @@ class Tunable(NamedTuple):
             return triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages)
 
         return cls(kernel, tuple(key), tuned([with_tma(c, False) for c in configs]),
-                   tuned([with_tma(c, tma) for c in configs for tma in (False, True)]))
+                   tuned([with_tma(c, tma) for c in configs for tma in (False, True)]), first)
 
 
 # Each key names the compile-time switches that change the work per program, so that a masked or grouped launch is
