@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores).
-#   research/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf]...
+#   research/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf|
+#                                 decode|atomic-dq|breakdown]...
 #   (default: tests bench)
 # train: the compiled training step's throughput, sdpa against our kernels, six interleaved rounds
 # profile: a profile of the compiled training step
@@ -11,6 +12,9 @@
 # gqa: GQA against MHA at the same FLOPs, its group summed in the dK/dV programs or afterwards;
 # masked: windows and padding against FlexAttention and SDPA;
 # hf: a transformers Llama's compiled training step, sdpa against ours
+# decode: one decoding step's attention (the decoding kernel, paged, the flash kernels, SDPA) at five cache sizes
+# atomic-dq: SFA's backward with dQ added by the dK/dV programs against the default and cuDNN, at the benchmark's
+#   shapes; breakdown: the per-kernel device time of both against cuDNN's (research/kernel_breakdown.py)
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
 set -u
 out=${1:?usage: research/gpu_suite.sh OUTDIR [tests|bench|train]...}
@@ -58,6 +62,13 @@ for part in $parts; do
               | tee "$out/masked-attention.log" ;;
     hf) python3 benchmarks/transformers_step.py --out "$out/transformers-step.json" 2>&1 | grep -v Warning \
           | tee "$out/transformers-step.log" ;;
+    decode) python3 benchmarks/transformers_models.py --models none --out "$out/decode-attention.json" 2>&1 \
+              | grep -v Warning | tee "$out/decode-attention.log" ;;
+    atomic-dq) python3 benchmarks/attention.py --modes fwdbwd,fwdbwd_graph --out "$out/attention-atomic-dq.json" \
+                 --impls stableflash,stableflash-atomic-dq,stableflash-sfa,stableflash-sfa-atomic-dq,sdpa-cudnn 2>&1 \
+                 | grep -v Warning | tee "$out/attention-atomic-dq.log" ;;
+    breakdown) python3 research/kernel_breakdown.py --out "$out/kernel-breakdown.json" 2>&1 | grep -v Warning \
+                 | tee "$out/kernel-breakdown.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
