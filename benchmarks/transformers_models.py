@@ -130,8 +130,9 @@ def decode_seconds(model, ids, new_tokens: int) -> float:
 
 def decode_attention(batch: int, heads: int, kv_heads: int, cache: int, head_dim: int, rounds: int) -> dict:
     """One decoding step's attention: q (B, 1, H, D) against a (B, cache, H_kv, D) bf16 cache, through
-    `flash_attn_with_kvcache` (the split-KV decoding kernel; the same cache in pages of 256 read through a block
-    table; and the flash kernels, with the decoding kernel switched off) against SDPA on the same cache."""
+    `flash_attn_with_kvcache` (the split-KV decoding kernel with its own split count, and with enough splits for 8
+    programs per SM; the same cache in pages of 256 read through a block table; and the flash kernels, with the
+    decoding kernel switched off) against SDPA on the same cache."""
     import triton.testing
 
     from stableflash.attention.triton import kernel_options
@@ -149,7 +150,9 @@ def decode_attention(batch: int, heads: int, kv_heads: int, cache: int, head_dim
         with kernel_options(decode_kernel=False):
             return flash_attn_with_kvcache(q, k, v, causal=True)
 
+    more = -(-8 * torch.cuda.get_device_properties(0).multi_processor_count // (batch * kv_heads))
     arms = {"stableflash": lambda: flash_attn_with_kvcache(q, k, v, causal=True),
+            "stableflash_8_per_sm": lambda: flash_attn_with_kvcache(q, k, v, causal=True, num_splits=more),
             "stableflash_paged": lambda: flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table, causal=True),
             "flash_kernels": flash_kernels,
             "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=kv_heads != heads)}

@@ -198,10 +198,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the first R dims of the new keys are rotated at their positions (cache_seqlens, cache_seqlens + 1, ...) before
     they are written, and those of q at the same positions when causal or windowed, else all at cache_seqlens (the
     pairs are (x[2i], x[2i + 1]) with `rotary_interleaved`, else (x[i], x[i + R/2])). Causal is aligned to each
-    sequence's own last key. One call of the attention where the sequences see as many keys, or where one query each
-    (decoding) or no causality lets their lengths be key padding; else a call per sequence. `num_splits` is a
-    speed hint of flash-attn's kernel, taken and ignored. Returns (B, Tq, H, D), with `return_softmax_lse` also the
-    log-sum-exp (B, H, Tq)."""
+    sequence's own last key. On CUDA under `fa2`, with no gradient wanted, the decoding kernel runs the call
+    (`triton.decode_attention`), in `num_splits` splits of each sequence's keys (0: its own choice, two programs per
+    SM), reading pages in place; elsewhere one call of the attention where the sequences see as many keys, or where
+    one query each or no causality lets their lengths be key padding, else a call per sequence. Returns
+    (B, Tq, H, D), with `return_softmax_lse` also the log-sum-exp (B, H, Tq)."""
     _refuse_unsupported(0.0, alibi_slopes)
     _check_rank("q", q, 4, "(B, Tq, H, D)")
     B, Tq = q.shape[:2]
@@ -221,7 +222,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if decoding and whole_caches and k is None and rotary_cos is None:
         from stableflash.attention import triton as kernels  # every sequence its own whole cache: nothing to build
         out, lse = kernels.decode_attention(q, k_cache, v_cache, seen=capacity, block_table=block_table, scale=scale,
-                                            window=window, causal=causal, softcap=softcap)
+                                            window=window, causal=causal, softcap=softcap, splits=num_splits)
         return (out, lse) if return_softmax_lse else out
     rows = torch.arange(B, device=q.device) if cache_batch_idx is None else cache_batch_idx.to(q.device).long()
     lengths, longest = _cache_lengths(cache_seqlens, B, capacity, q.device, paged=block_table is not None)
@@ -244,7 +245,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         from stableflash.attention import triton as kernels
         out, lse = kernels.decode_attention(q, k_cache, v_cache, seen=seen, first=first, cache_rows=rows,
                                             longest=longest + new, block_table=block_table, scale=scale,
-                                            window=window, causal=causal, softcap=softcap)
+                                            window=window, causal=causal, softcap=softcap, splits=num_splits)
         return (out, lse) if return_softmax_lse else out
     keys, values = _gathered_cache(k_cache, v_cache, rows, block_table, longest + new)
     common = dict(causal=causal, scale=softmax_scale, window=window, layout="bthd", softcap=softcap,

@@ -239,3 +239,22 @@ def test_many_splits_are_combined_a_block_at_a_time(monkeypatch):
     out, lse = decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), seen=2600, scale=0.25, causal=True)
     _check(out, ref, exact, "out", seed, torch.bfloat16)
     assert (lse.cpu().double() - exact_lse).abs().max() < 1e-3, f"seed {seed}"
+
+
+def test_a_requested_split_count_is_taken_and_a_bad_one_refused(monkeypatch):
+    """`splits` (flash_attn_with_kvcache's `num_splits`) sets how many programs share a sequence's keys: one, or
+    more, the results within rounding of each other; the count reaches the kernel's grid."""
+    from stableflash.attention.triton import decoding
+
+    grids = []
+    split_kernel = decoding._decode_split
+    monkeypatch.setattr(decoding, "_decode_split", type("Spy", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or split_kernel[grid]})())
+    cache = _Cache(2, 1, 4, 2, 16, False, False, torch.bfloat16, 3).on(DEVICE)
+    kw = dict(seen=MAX_LEN, scale=0.25, causal=True)
+    one, _ = decode_attention(cache.q, cache.k, cache.v, splits=1, **kw)
+    two, _ = decode_attention(cache.q, cache.k, cache.v, splits=2, **kw)
+    assert [grid[1] for grid in grids] == [1, 2]
+    assert (one.float() - two.float()).abs().max() < 2e-2
+    with pytest.raises(ValueError, match="splits: expected an int >= 0"):
+        decode_attention(cache.q, cache.k, cache.v, splits=-1, **kw)

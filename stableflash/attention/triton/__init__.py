@@ -70,14 +70,15 @@ def supports_decode(policy: Precision, stabilize, dtype: torch.dtype, head_dim: 
 
 def decode_attention(q, k_cache, v_cache, *, seen, first=None, cache_rows=None, longest: int | None = None,
                      block_table=None, scale: float, window: tuple[int, int] = (-1, -1), causal: bool = False,
-                     softcap: float = 0.0):
+                     softcap: float = 0.0, splits: int = 0):
     """Queries q (B, TQ, H, D) against a key/value cache, forward only (`decoding.py`): sequence b sees cache
     positions first[b]..seen[b] - 1 of cache row cache_rows[b] ((B_cache, Tmax, H_kv, D) caches), or of its pages
     through `block_table` (B, pages) of (num_pages, page_size, H_kv, D) caches; its queries sit at the last TQ
     positions (causal and `window` aligned to the bottom right). `seen` one int (`first`, `cache_rows` None): each
     sequence sees that many positions of its own row. `longest`: at least max(seen - first), which sizes the splits
-    (default: read back from the GPU). Returns (out (B, TQ, H, D), lse (B, H, TQ) fp32, natural log; a query that
-    sees no key: 0 and -inf)."""
+    (default: read back from the GPU); `splits`: how many splits of a sequence's keys run as programs of their own
+    (0: enough for two programs per SM; at most one per key tile). Returns (out (B, TQ, H, D), lse (B, H, TQ) fp32,
+    natural log; a query that sees no key: 0 and -inf)."""
     from stableflash.attention.triton import decoding
 
     left, right = window
@@ -93,8 +94,10 @@ def decode_attention(q, k_cache, v_cache, *, seen, first=None, cache_rows=None, 
         longest = seen
     elif longest is None:
         longest = int((seen - first).max()) if len(seen) else 0
+    if not (isinstance(splits, int) and splits >= 0):
+        raise ValueError(f"splits: expected an int >= 0 (0: chosen), got {splits!r}")
     return decoding.decode(q, k_cache, v_cache, seen, first, cache_rows, longest, block_table, scale, (left, right),
-                           softcap)
+                           softcap, splits)
 
 
 def tile_picks_state_dict() -> list[dict]:

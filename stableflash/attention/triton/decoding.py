@@ -148,20 +148,21 @@ def _tiles(head_dim: int) -> tuple[int, int]:
 
 
 def decode(q, k_cache, v_cache, seen, first, cache_rows, longest: int, block_table, scale: float,
-           window: tuple[int, int], softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+           window: tuple[int, int], softcap: float = 0.0, splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, TQ, H, D) against each sequence's cache positions first[b]..seen[b] - 1, with causal and
     window folded into `window` (left, right) as the kernels' band. k_cache, v_cache: (B_cache, Tmax, H_kv, D) read
     at rows `cache_rows` (B,), or pages (num_pages, page_size, H_kv, D) through `block_table` (B, pages). `seen`,
     `first`, `cache_rows`: (B,) integer tensors; or `seen` one int and `first`, `cache_rows` None: every sequence
-    sees that many positions of its own row. `longest` >= max(seen - first) sizes the splits. Returns (out (B, TQ,
-    H, D) in q's dtype, lse (B, H, TQ) fp32, natural log)."""
+    sees that many positions of its own row. `longest` >= max(seen - first) sizes the splits; `splits` > 0 asks for
+    that many (at most one per key tile), 0 for enough to fill the GPU. Returns (out (B, TQ, H, D) in q's dtype, lse
+    (B, H, TQ) fp32, natural log)."""
     B, TQ, H, D = q.shape
     group = H // k_cache.shape[2]
     block_n, block_d = _tiles(D)
     uniform = isinstance(seen, int)
     if window[0] >= 0:
         longest = min(longest, window[0] + TQ)
-    per_sequence = max(1, -(-_programs_to_fill(q.device) // max(1, B * (H // group))))
+    per_sequence = splits or max(1, -(-_programs_to_fill(q.device) // max(1, B * (H // group))))
     tiles = max(1, -(-longest // block_n))
     splits = min(per_sequence, tiles)
     split_len = -(-tiles // splits) * block_n
