@@ -10,13 +10,15 @@ along the tokens with cumulative lengths, and `flash_attn_with_kvcache` for deco
   flash-attn returns for testing with dropout, is never materialised here.
 - `softcap` > 0 caps the scaled scores (Gemma 2's): in the fused kernels under production FA2 numerics, elsewhere in
   the reference.
-- `deterministic` is accepted: every backward here is deterministic already (no atomics: each key tile's dK and dV,
-  and each query tile's dQ, are summed by one program in a fixed order).
+- The backward is deterministic by default (no atomics: each key tile's dK and dV, and each query tile's dQ, are
+  summed by one program in a fixed order); `deterministic=True` keeps it so where `KernelOptions(atomic_dq=True)`
+  would add dQ with atomics.
 - Dropout and ALiBi are refused by name, never ignored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -34,6 +36,15 @@ def _refuse_unsupported(dropout_p, alibi_slopes) -> None:
         raise ValueError(f"dropout_p: only 0.0 is supported, got {dropout_p!r}")
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: ALiBi is not supported; pass None")
+
+
+def _backward_without_atomics(deterministic: bool):
+    """flash-attn's `deterministic=True`: the forwards inside run the backward that adds no dQ with atomics, whatever
+    `KernelOptions.atomic_dq` says (the options in force at a forward choose its backward)."""
+    if not deterministic:
+        return contextlib.nullcontext()
+    from stableflash.attention.triton.options import kernel_options
+    return kernel_options(atomic_dq=False)
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -55,9 +66,10 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None
     """Attention on (B, T, H, D) q and (B, Tk, H_kv, D) k, v; returns (B, T, H, D) (with `return_attn_probs`, also
     the log-sum-exp (B, H, T))."""
     _refuse_unsupported(dropout_p, alibi_slopes)
-    result = flash_attention(q, k, v, causal=causal, scale=softmax_scale, window=_window(window_size), layout="bthd",
-                             softcap=softcap, precision=precision, stabilize=stabilize, stats=stats, backend=backend,
-                             return_lse=return_attn_probs)  # the log-sum-exp only when asked: "sdpa" cannot give it
+    with _backward_without_atomics(deterministic):
+        result = flash_attention(q, k, v, causal=causal, scale=softmax_scale, window=_window(window_size),
+                                 layout="bthd", softcap=softcap, precision=precision, stabilize=stabilize, stats=stats,
+                                 backend=backend, return_lse=return_attn_probs)  # the lse only when asked: not "sdpa"
     return (*result, None) if return_attn_probs else result
 
 
@@ -120,8 +132,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         raise ValueError("max_seqlen_q, max_seqlen_k: smaller than the longest sequence")
     window = _window(window_size)
     if backend in ("auto", "triton") and _kernels_take_packed(q, k, precision, stabilize):
-        out, lse = _packed_in_the_kernels(q, k, v, qs, ks, softmax_scale, causal, window, softcap, precision,
-                                          stabilize, stats)
+        with _backward_without_atomics(deterministic):
+            out, lse = _packed_in_the_kernels(q, k, v, qs, ks, softmax_scale, causal, window, softcap, precision,
+                                              stabilize, stats)
         return _with_lse(out, lse, return_attn_probs)
     outs, lses = [], []  # elsewhere: one call per sequence
     for (q0, q1), (k0, k1) in zip(zip(qs, qs[1:]), zip(ks, ks[1:])):
@@ -132,8 +145,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
             lses.append(torch.full((q.shape[1], q1 - q0), float("-inf"), device=q.device))
             continue
         out, lse, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale,
-                                      causal=causal, window_size=window, softcap=softcap, return_attn_probs=True,
-                                      precision=precision, stabilize=stabilize, stats=stats, backend=backend)
+                                      causal=causal, window_size=window, softcap=softcap, deterministic=deterministic,
+                                      return_attn_probs=True, precision=precision, stabilize=stabilize, stats=stats,
+                                      backend=backend)
         outs.append(out[0])
         lses.append(lse[0])
     out = torch.cat(outs) if outs else torch.zeros_like(q)

@@ -288,3 +288,22 @@ def test_a_row_that_sees_no_key_is_zero_with_zero_gradients_on_the_sdpa_backend_
     assert torch.allclose(fast, exact, atol=1e-6) and (fast[:, :, 2] == 0).all()
     grads, want = (torch.autograd.grad(o.sum(), (q, k, v)) for o in (fast, exact))
     assert all(torch.isfinite(g).all() and torch.allclose(g, w, atol=1e-5) for g, w in zip(grads, want))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_keeps_the_backward_free_of_atomics(deterministic, monkeypatch):
+    """flash-attn's `deterministic=True` runs its forwards (plain, packed, per sequence) with
+    `KernelOptions.atomic_dq` off, which chooses their backward; False leaves the option as set."""
+    import stableflash.attention.flash_attn as dropins
+    from stableflash.attention.triton import kernel_options
+    from stableflash.attention.triton.options import current
+
+    seen = []
+    run = dropins.flash_attention
+    monkeypatch.setattr(dropins, "flash_attention", lambda *a, **kw: seen.append(current().atomic_dq) or run(*a, **kw))
+    q = _randn(6, 2, 8, seed=0)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with kernel_options(atomic_dq=True):
+        flash_attn_func(q[None], q[None], q[None], deterministic=deterministic, **EXACT)
+        flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, deterministic=deterministic, **EXACT)
+    assert seen == [not deterministic] * 3

@@ -45,8 +45,7 @@ def test_every_switch_a_native_launch_passes_is_in_its_autotuners_key(monkeypatc
         lse = torch.zeros(qb.shape[:3], dtype=torch.float32)
         launch.forward(qb, kb, vb, True, 0.125, name, False, 1e-3, band=band)
         launch.backward(db, qb, kb, vb, qb, lse, True, 0.125, name, band=band)
-        with kernel_options(atomic_dq=True):
-            launch.backward(db, qb, kb, vb, qb, lse, True, 0.125, name, band=band)
+        launch.backward(db, qb, kb, vb, qb, lse, True, 0.125, name, band=band, atomic_dq=True)
     switches = {"MASK", "PAD", "SEG", "GROUP", "ATOMIC_DQ"}
     assert switches <= {name for _, meta in passed for name in meta}  # every form was launched
     for tunable, meta in passed:

@@ -170,6 +170,23 @@ def test_the_backward_adding_dq_with_atomics_is_within_twice_the_reference_error
         assert torch.equal(a, b), (name, f"seed {seed}")
 
 
+def test_the_options_in_force_at_the_forward_choose_its_backward(monkeypatch):
+    """`KernelOptions.atomic_dq` is read when the forward runs and kept for its backward, wherever that runs."""
+    from stableflash.attention.triton import launch
+
+    chosen = []
+    backward = launch.backward
+    monkeypatch.setattr(launch, "backward", lambda *a, **kw: chosen.append(kw["atomic_dq"]) or backward(*a, **kw))
+    q, k, v = _inputs((1, 2, 40, 16 if INTERPRET else 64))
+    with kernel_options(atomic_dq=True):
+        out = _attention(q, k, v)
+    out.float().sum().backward()
+    out = _attention(q, k, v)
+    with kernel_options(atomic_dq=True):
+        out.float().sum().backward()
+    assert chosen == [True, False]
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_fa2_with_the_dp_p_delta_within_twice_the_reference_error(causal):
     # δ = rowsum(dP ∘ P) recomputed over the keys (the isolation study's δ formula) in native numerics

@@ -283,8 +283,9 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
 
 
 def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str, band: Band | None = None,
-             softcap: float = 0.0):
-    """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads.
+             softcap: float = 0.0, atomic_dq: bool = False):
+    """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads. With
+    `atomic_dq` (`KernelOptions.atomic_dq` when the forward ran) the native dK/dV kernel adds dQ with atomics.
 
     With grouped-query attention (k and v with H / G heads) the native dK/dV kernel sums each group's query heads
     in its programs (`GROUP`, with `KernelOptions.group_sum_in_program`); otherwise, and under emulation, it writes
@@ -308,7 +309,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
     dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, G, T)
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, G, T)
-    atomic_dq = spec.native and options.current().atomic_dq
+    atomic_dq = spec.native and atomic_dq
     dq_acc = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device) if atomic_dq else \
         torch.empty(0, dtype=torch.float32, device=q.device)  # what the dK/dV programs add dQ / scale into
     masking = _band_args(band, T, TK, lse)
