@@ -171,20 +171,22 @@ def test_the_backward_adding_dq_with_atomics_is_within_twice_the_reference_error
 
 
 def test_the_options_in_force_at_the_forward_choose_its_backward(monkeypatch):
-    """`KernelOptions.atomic_dq` is read when the forward runs and kept for its backward, wherever that runs."""
+    """`KernelOptions.atomic_dq` and `group_sum_in_program` are read when the forward runs and kept for its
+    backward, wherever that runs."""
     from stableflash.attention.triton import launch
 
     chosen = []
     backward = launch.backward
-    monkeypatch.setattr(launch, "backward", lambda *a, **kw: chosen.append(kw["atomic_dq"]) or backward(*a, **kw))
-    q, k, v = _inputs((1, 2, 40, 16 if INTERPRET else 64))
-    with kernel_options(atomic_dq=True):
+    monkeypatch.setattr(launch, "backward", lambda *a, **kw: chosen.append((kw["atomic_dq"], kw["group_sum"]))
+                        or backward(*a, **kw))
+    _, _, q, k, v, _ = _grouped_inputs(1, 4, 40, 40, 16 if INTERPRET else 64, 2)
+    with kernel_options(atomic_dq=True, group_sum_in_program=False):
         out = _attention(q, k, v)
     out.float().sum().backward()
     out = _attention(q, k, v)
-    with kernel_options(atomic_dq=True):
+    with kernel_options(atomic_dq=True, group_sum_in_program=False):
         out.float().sum().backward()
-    assert chosen == [True, False]
+    assert chosen == [(True, False), (False, True)]
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -283,14 +283,14 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
 
 
 def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str, band: Band | None = None,
-             softcap: float = 0.0, atomic_dq: bool = False):
+             softcap: float = 0.0, atomic_dq: bool = False, group_sum: bool = True):
     """dQ, dK, dV, each in its input's memory order. `o_saved` is the O that δ = rowsum(dO ∘ O) reads. With
     `atomic_dq` (`KernelOptions.atomic_dq` when the forward ran) the native dK/dV kernel adds dQ with atomics.
 
     With grouped-query attention (k and v with H / G heads) the native dK/dV kernel sums each group's query heads
-    in its programs (`GROUP`, with `KernelOptions.group_sum_in_program`); otherwise, and under emulation, it writes
-    one query head's share per program into (B, H, Tk, D) buffers, summed over each group here (flash-attn 2's
-    order, and the reference's: each head's rounded share)."""
+    in its programs (`GROUP`, with `group_sum`: `KernelOptions.group_sum_in_program` when the forward ran);
+    otherwise, and under emulation, it writes one query head's share per program into (B, H, Tk, D) buffers, summed
+    over each group here (flash-attn 2's order, and the reference's: each head's rounded share)."""
     spec = spec_named(name)
     _check_band(band, spec)
     _check_softcap(softcap, spec)
@@ -300,7 +300,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     dq = empty_in_layout_of(q, q.dtype)
-    shares = G > 1 and not (spec.native and options.current().group_sum_in_program)
+    shares = G > 1 and not (spec.native and group_sum)
     if shares:  # one query head's share each, in the input dtype (flash-attn 2's order), summed over the group below
         dk, dv = (torch.empty(B, H, TK, D, dtype=t.dtype, device=t.device) for t in (k, v))
     else:

@@ -55,15 +55,16 @@ def _(q, k, v, causal, scale, name, stats, stats_eps, masked=False, left=-1, rig
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_saved: torch.Tensor,
               lse: torch.Tensor, causal: bool, scale: float, name: str, masked: bool = False, left: int = -1,
               right: int = -1, keep: torch.Tensor | None = None, packed: bool = False,
-              softcap: float = 0.0, atomic_dq: bool = False) -> _BwdOutputs:
+              softcap: float = 0.0, atomic_dq: bool = False, group_sum: bool = True) -> _BwdOutputs:
     """(dq, dk, dv): `launch.backward`."""
     return launch.backward(dout, q, k, v, o_saved, lse, causal, scale, name,
-                           band=_band(masked, left, right, keep, packed), softcap=softcap, atomic_dq=atomic_dq)
+                           band=_band(masked, left, right, keep, packed), softcap=softcap, atomic_dq=atomic_dq,
+                           group_sum=group_sum)
 
 
 @flash_bwd.register_fake
 def _(dout, q, k, v, o_saved, lse, causal, scale, name, masked=False, left=-1, right=-1, keep=None, packed=False,
-      softcap=0.0, atomic_dq=False):
+      softcap=0.0, atomic_dq=False, group_sum=True):
     return (launch.empty_in_layout_of(q, q.dtype), launch.empty_in_layout_of(k, k.dtype),
             launch.empty_in_layout_of(k, v.dtype))
 
@@ -73,14 +74,15 @@ def _setup_context(ctx, inputs, output):
     out, o_saved, lse, _, _ = output
     ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse, keep)
     ctx.causal, ctx.scale, ctx.name, ctx.band, ctx.softcap = causal, scale, name, (masked, left, right, packed), softcap
-    ctx.atomic_dq = options.current().atomic_dq  # the options in force at the forward choose its backward
+    switches = options.current()  # the options in force at the forward choose its backward, wherever that runs
+    ctx.backward_switches = (switches.atomic_dq, switches.group_sum_in_program)
 
 
 def _backward(ctx, dout, *_):
     q, k, v, o_saved, lse, keep = ctx.saved_tensors
     masked, left, right, packed = ctx.band
     dq, dk, dv = flash_bwd(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.name, masked, left, right, keep,
-                           packed, ctx.softcap, ctx.atomic_dq)
+                           packed, ctx.softcap, *ctx.backward_switches)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 

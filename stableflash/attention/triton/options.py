@@ -24,7 +24,8 @@ class KernelOptions:
     group_sum_in_program: bool = True
     """Grouped-query attention's dK/dV: each program sums its key/value head's query heads in fp32 before it stores
     (FA3's way); off, each query head's share is stored in the input dtype and summed over the group afterwards
-    (flash-attn 2's way: one more pass over H heads of dK and dV, and other last bits)."""
+    (flash-attn 2's way: one more pass over H heads of dK and dV, and other last bits). As `atomic_dq`, the value in
+    force when a forward runs chooses its backward."""
     autotune: bool = True
     """Autotune each native launch that has no tile pick yet; off, it takes the kernel's first candidate tile (pointer
     loads), untuned and not recorded: for tests and one-off shapes, where the tuning costs more than it saves."""
