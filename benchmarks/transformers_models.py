@@ -11,9 +11,9 @@ GPT-2, each built twice from one seed: once with `"stableflash"`, once with the 
 - on a GPU, the time of a greedy `generate` of `--new-tokens` tokens after a `--prompt`-token prompt, against the
   baseline in interleaved rounds.
 Then the attention of one decoding step alone (one query per sequence against a long cache): `flash_attn_with_kvcache`
-(the decoding kernel, on a dense and a paged cache, and the flash kernels) against SDPA, with the cache bytes read per
-second. On a GPU the models run in bf16 through the fused kernels; on
-the CPU in fp32 through the reference (small shapes, no timing).
+(the decoding kernel with its own split count and with more splits, on a dense and a paged cache, and the flash
+kernels) against SDPA, with the cache bytes read per second. On a GPU the models run in bf16 through the fused
+kernels; on the CPU in fp32 through the reference (small shapes, no timing).
 
     python benchmarks/transformers_models.py --out results/drop-ins/transformers-models.json
 """
