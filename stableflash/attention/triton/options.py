@@ -1,8 +1,8 @@
 """`KernelOptions`: the one set of switches a user may change about how the fused kernels launch.
 
 None changes the policy: each chooses between implementations of the native (production FA2) numerics. Those on
-by default measured faster where they apply; `atomic_dq`, off by default, trades determinism for a backward pass
-less. Turn one off to compare, or to rule it out when something looks wrong:
+by default measured faster where they apply; `atomic_dq`, off by default, gives up determinism for one pass fewer
+in the backward. Turn one off to compare, or to rule it out when something looks wrong:
 
     from stableflash.attention.triton import kernel_options
     with kernel_options(hopper_forward=False):
