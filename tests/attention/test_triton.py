@@ -95,6 +95,19 @@ def test_fa2_within_twice_the_reference_error(shape, causal, dtype):
         _assert_within_twice_the_reference(name, a, r, e, dtype)
 
 
+def _assert_within_twice_the_references_error_against_fp64(ours, q, k, v, dout, seed, stabilize, **kw):
+    """`ours` (out, dq, dk, dv), each finite and within twice the error of the reference (bf16 inputs, its FA2
+    numerics, `stabilize`) against plain fp64 attention with the same `kw`; returns the fp64 leaves."""
+    ref = _run(functools.partial(flash_attention, backend="reference", stabilize=stabilize, **kw), q, k, v, dout)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **kw), *leaves,
+                 dout.cpu().double())
+    for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
+        assert torch.isfinite(a).all(), (name, f"seed {seed}")
+        _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
+    return leaves
+
+
 SOFTCAP_CASES = {  # Tq, Tk, causal, window, kv heads (of 4)
     "causal": (77, 77, True, None, 4),
     "not causal, GQA": (77, 77, False, None, 2),
@@ -118,13 +131,7 @@ def test_softcap_runs_in_the_kernels_within_twice_the_reference_error(case, stab
     dout = torch.randn(2, 4, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE)
     kw = dict(causal=causal, window=window, softcap=cap)
     ours = _run(functools.partial(_attention, stabilize=stabilize, **kw), q, k, v, dout)
-    ref = _run(functools.partial(flash_attention, backend="reference", stabilize=stabilize, **kw), q, k, v, dout)
-    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **kw), *leaves,
-                 dout.cpu().double())
-    for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
-        assert torch.isfinite(a).all(), (name, f"seed {seed}")
-        _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
+    leaves = _assert_within_twice_the_references_error_against_fp64(ours, q, k, v, dout, seed, stabilize, **kw)
     if not INTERPRET:  # the public API's log-sum-exp from the kernels
         _, lse = flash_attention(q, k, v, backend="triton", return_lse=True, **kw)
         _, exact_lse = flash_attention(*leaves, precision="fp64", backend="reference", return_lse=True, **kw)
@@ -159,13 +166,7 @@ def test_the_backward_adding_dq_with_atomics_is_within_twice_the_reference_error
         with kernel_options(atomic_dq=True):
             ours = _run(functools.partial(_attention, **kw), q, k, v, dout)
         default = _run(functools.partial(_attention, **kw), q, k, v, dout)
-    ref = _run(functools.partial(flash_attention, backend="reference", **kw), q, k, v, dout)
-    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    exact = _run(lambda *t: flash_attention(*t, precision="fp64", backend="reference", **kw), *leaves,
-                 dout.cpu().double())
-    for name, a, r, e in zip(["out", "dq", "dk", "dv"], ours, ref, exact):
-        assert torch.isfinite(a).all(), (name, f"seed {seed}")
-        _assert_within_twice_the_reference(name, a, r, e, torch.bfloat16)
+    _assert_within_twice_the_references_error_against_fp64(ours, q, k, v, dout, seed, None, **kw)
     for name, a, b in zip(["out", "dk", "dv"], [ours[0], *ours[2:]], [default[0], *default[2:]]):
         assert torch.equal(a, b), (name, f"seed {seed}")
 
