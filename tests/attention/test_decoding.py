@@ -87,11 +87,11 @@ def _per_sequence(cache, precision, causal, window, softcap):
     return torch.cat(outs), torch.cat(lses)
 
 
-def _check(ours, ref, exact, what, seed, dtype, ulps=1):
+def _check(ours, ref, exact, what, seed, dtype, ulps=1, slack=0.0):
     """flash-attention's rule: |ours - exact| <= 2 |reference - exact| + `ulps` ulps at the largest entry (the lse's
-    four: fp32 sums in another order and the hardware's exp2)."""
+    four: fp32 sums in another order and the hardware's exp2) + `slack`."""
     ours, ref, exact = (t.detach().cpu().double() for t in (ours, ref, exact))
-    atol = ulps * get_format(dtype).ulp(exact.abs().max().item())
+    atol = ulps * get_format(dtype).ulp(exact.abs().max().item()) + slack
     err, ref_err = (ours - exact).abs().max().item(), (ref - exact).abs().max().item()
     assert err <= 2 * ref_err + atol, f"{what}: error {err:.3g}, reference's {ref_err:.3g}, atol {atol:.3g} (seed {seed})"
 
@@ -112,7 +112,9 @@ def test_decoding_is_within_twice_the_references_error(case):
     hidden = exact_lse == float("-inf")  # queries before their sequence's first key (causal): O = 0, lse = -inf
     assert torch.equal(lse.cpu() == float("-inf"), hidden), f"rows without keys (seed {seed})"
     assert (out.cpu()[hidden.transpose(1, 2)] == 0).all(), f"rows without keys (seed {seed})"
-    _check(lse.cpu()[~hidden], ref_lse[~hidden], exact_lse[~hidden], "lse", seed, torch.float32, ulps=4)
+    # the kernels' tanh, 2·sigmoid(2x) - 1, keeps about 2^-23 of absolute precision: up to ~2^-21 of the cap per score
+    _check(lse.cpu()[~hidden], ref_lse[~hidden], exact_lse[~hidden], "lse", seed, torch.float32, ulps=4,
+           slack=softcap * 2.0**-21)
 
 
 def test_a_sequence_without_keys_gives_zeros_and_minus_infinity():
