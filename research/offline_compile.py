@@ -25,9 +25,9 @@ _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "b
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "OS", "DO", "DK", "DV", "DQ")},
              **{n: "*fp32" for n in ("LSE", "DELTA", "STAT_MAX", "DQ_ACC")}, "STAT_COUNTS": "*i64", "KEEP": "*u8"}
 _FLOATS = {"scale", "qk_scale", "eps", "softcap"}
-KERNELS = {(True, "fwd"): native.attn_fwd, (True, "dq"): native.attn_bwd_dq, (True, "dkdv"): native.attn_bwd_dkdv,
-           (False, "fwd"): emulation.attn_fwd, (False, "delta_dpp"): emulation.attn_bwd_delta_dpp,
-           (False, "dq"): emulation.attn_bwd_dq, (False, "dkdv"): emulation.attn_bwd_dkdv}
+KERNELS = {(True, "fwd"): native._attn_fwd, (True, "dq"): native._attn_bwd_dq, (True, "dkdv"): native._attn_bwd_dkdv,
+           (False, "fwd"): emulation._attn_fwd, (False, "delta_dpp"): emulation._attn_bwd_delta_dpp,
+           (False, "dq"): emulation._attn_bwd_dq, (False, "dkdv"): emulation._attn_bwd_dkdv}
 
 
 def kernel_of(name: str, kernel: str):
@@ -57,17 +57,43 @@ def compile_kernel(name: str, kernel: str, consts: dict, config: triton.Config, 
                             target)
 
 
+_BUNDLES = {"band": ("KEEP", "stride_keep", "TK", "LEFT", "RIGHT")}
+"""The kernels' tuple parameters that are not a tensor's strides, by their elements' names."""
+
+
+def _elements(name: str) -> tuple[str, ...] | None:
+    """The element names of a tuple parameter (`x_strides`: a tensor's three strides), None for a plain one."""
+    if name.endswith("_strides"):
+        return tuple(f"stride_{name[:-len('_strides')]}{i}" for i in range(3))
+    return _BUNDLES.get(name)
+
+
+def _kind(name: str) -> str:
+    return _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
+
+
+def _divisible(name: str, kind: str) -> bool:
+    """Pointers, strides (not the key table's row stride) and lengths: 16-aligned, as a launch specialises them."""
+    return kind.startswith("*") or name.startswith("stride_") and name != "stride_keep" or name in ("T", "LT", "LQ", "LM")
+
+
 def compile_function(fn, consts: dict, options: dict, target: GPUTarget = SM90, source_type=ASTSource):
     """Compile a Triton (or, with Gluon's source type, a Gluon) kernel whose parameters follow our naming: pointers
-    as in `_POINTERS`, the float scales in `_FLOATS`, every other runtime argument i32; hints as `compile_kernel`'s."""
+    as in `_POINTERS`, the float scales in `_FLOATS`, every other runtime argument i32, tuples as `_elements` names
+    them; hints as `compile_kernel`'s."""
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
-    signature = {name: "constexpr" if name in consts else _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
-                 for name in fn.arg_names}
-    divisible = [name for name, kind in signature.items()  # LT, LQ, LM: logical tiles, multiples of 64
-                 if kind.startswith("*") or name.startswith("stride_") and name != "stride_keep"
-                 or name in ("T", "LT", "LQ", "LM")]
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        elements = None if name in consts else _elements(name)
+        if elements is None:
+            signature[name] = "constexpr" if name in consts else _kind(name)
+            if name not in consts and _divisible(name, signature[name]):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+            continue
+        signature[name] = tuple(_kind(e) for e in elements)
+        attrs.update({(index, i): [["tt.divisibility", 16]] for i, e in enumerate(elements) if _divisible(e, _kind(e))})
     source = source_type(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                         attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
+                         attrs=attrs)
     return triton.compile(source, target=target, options=options)
 
 

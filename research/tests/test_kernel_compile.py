@@ -201,7 +201,7 @@ def test_the_gluon_forwards_launches_compile_unserialised(head_dim, sfa, stats, 
 
     name = _name("fa2", SFA() if sfa else None, head_dim)
     consts, config = launch._hopper_constants(name, head_dim, torch.bfloat16, True, tile, stats)
-    compiled = compile_function(hopper.attn_fwd, {**consts, "num_warps": config.num_warps},
+    compiled = compile_function(hopper._attn_fwd, {**consts, "num_warps": config.num_warps},
                                 {"num_warps": config.num_warps}, source_type=GluonASTSource)
     assert wgmma_serialization(compiled) is None
     usage = resource_usage(compiled)

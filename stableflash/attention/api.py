@@ -300,13 +300,18 @@ def _sdpa(q, k, v, scale, vis: Visibility, bias):
     return out if empty is None else out.masked_fill(empty, 0.0)
 
 
+def wants_gradient(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a call on these tensors: the decoding kernel has no backward."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _decodes(q, k, v, policy: Precision, stabilize, stats, key_padding_mask) -> bool:
     """Whether an eager call is a decoding step that the split-KV kernel runs (`triton.decode_attention`): a few
     query rows per key/value head against more keys, no padding mask or statistics, no gradient wanted. The flash
     kernels would give it one query tile per head, too few programs to read the keys at the memory's speed."""
     if torch.compiler.is_compiling() or stats is not None or key_padding_mask is not None:
         return False
-    if k.shape[2] <= q.shape[2] or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+    if k.shape[2] <= q.shape[2] or wants_gradient(q, k, v):
         return False
     from stableflash.attention.triton.options import current
     rows = q.shape[2] * (q.shape[1] // k.shape[1])

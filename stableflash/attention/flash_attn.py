@@ -23,7 +23,7 @@ import importlib.util
 
 import torch
 
-from stableflash.attention.api import flash_attention, triton_available
+from stableflash.attention.api import flash_attention, triton_available, wants_gradient
 from stableflash.attention.precision import resolve
 from stableflash.attention.stabilize import check_stabilize
 
@@ -374,7 +374,7 @@ def _decodes_in_the_kernel(q, k_cache, v_cache, precision, stabilize, stats) -> 
     and no gradient wanted."""
     if not q.is_cuda or importlib.util.find_spec("triton") is None or stats is not None:
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+    if wants_gradient(q, k_cache, v_cache):
         return False
     if q.shape[2] % k_cache.shape[2] or not (k_cache.dtype == v_cache.dtype == q.dtype):
         return False

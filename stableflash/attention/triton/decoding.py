@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from stableflash.attention.triton.common import cast, dot, fp32, scores, shift
-from stableflash.attention.triton.spec import LOG2E
+from stableflash.attention.triton.spec import LOG2E, native_scales
 
 _LOG2E = tl.constexpr(LOG2E)
 MAX_ROWS = 64  # GROUP · TQ above this is a prefill: the flash kernels run it
@@ -32,15 +32,17 @@ MAX_ROWS = 64  # GROUP · TQ above this is a prefill: the flash kernels run it
 
 @triton.jit
 def _decode_split(
-    Q, K, V, O_PART, LSE_PART, SEEN, FIRST, CACHE_ROWS, TABLE,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_table, page_size, TQ, H, scale, softcap, LEFT, RIGHT, split_len, SPLITS,
+    Q, K, V, O_PART, LSE_PART, SEEN, FIRST, CACHE_ROWS, TABLE, q_strides, k_strides, v_strides, stride_table,
+    page_size, TQ, H, scale, softcap, LEFT, RIGHT, split_len, SPLITS,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, UNIFORM: tl.constexpr,
 ):
     """One (sequence, key/value head, split): its rows' output normalised over the split's keys, fp32, and their
     log-sum-exp (base 2; -inf where a row sees none of them). UNIFORM: every sequence sees all SEEN positions of its
-    own cache row (SEEN a number; FIRST, CACHE_ROWS unused)."""
+    own cache row (SEEN a number; FIRST, CACHE_ROWS unused). The strides are the tensors' (batch, position, head)."""
+    stride_qb, stride_qt, stride_qh = q_strides
+    stride_kb, stride_kt, stride_kh = k_strides
+    stride_vb, stride_vt, stride_vh = v_strides
     scale, softcap = fp32(scale), fp32(softcap)
     program, split = tl.program_id(0), tl.program_id(1)
     kv_heads = H // GROUP
@@ -102,8 +104,8 @@ def _decode_split(
 
 
 @triton.jit
-def _decode_combine(O_PART, LSE_PART, OUT, LSE, stride_ob, stride_ot, stride_oh, H, TQ, SPLITS,
-                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_combine(O_PART, LSE_PART, OUT, LSE, out_strides, H, TQ, SPLITS, HEAD_DIM: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (sequence, head, query) row: its splits weighted by their share of the row's exponentials, BLOCK_S splits
     at a time (two passes: the largest log-sum-exp, then the weighted sum). Writes the output in OUT's dtype and the
     natural log-sum-exp; a row that sees no key gets O = 0 and lse = -inf."""
@@ -128,6 +130,7 @@ def _decode_combine(O_PART, LSE_PART, OUT, LSE, stride_ob, stride_ot, stride_oh,
         acc += tl.sum(weight[:, None] * parts, 0)
     empty = top == float("-inf")
     o = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, total))
+    stride_ob, stride_ot, stride_oh = out_strides
     out = OUT + b.to(tl.int64) * stride_ob + t * stride_ot + head * stride_oh + dims
     tl.store(out, cast(o, OUT.dtype.element_ty), mask=dims < HEAD_DIM)
     tl.store(LSE + row, tl.where(empty, float("-inf"), (top + tl.math.log2(total)) / _LOG2E))
@@ -172,20 +175,16 @@ def decode(q, k_cache, v_cache, seen, first, cache_rows, longest: int, block_tab
     paged = block_table is not None
     placeholder = lse_part  # for the pointers a call does not read
     table = block_table if paged else placeholder
-    if softcap > 0:
-        kernel_scale, kernel_softcap = scale / softcap, softcap * LOG2E
-    else:
-        kernel_scale, kernel_softcap = scale * LOG2E, 0.0
+    kernel_scale, kernel_softcap = native_scales(scale, softcap)
     left, right = window
     _decode_split[(B * (H // group), splits)](
         q, k_cache, v_cache, o_part, lse_part, seen, placeholder if uniform else first,
-        placeholder if uniform else cache_rows, table, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        placeholder if uniform else cache_rows, table, q.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3],
         table.stride(0), k_cache.shape[1], TQ, H, kernel_scale, kernel_softcap, left, right, split_len, splits,
         GROUP=group, HEAD_DIM=D, BLOCK_M=max(16, triton.next_power_of_2(group * TQ)), BLOCK_N=block_n,
         BLOCK_D=block_d, PAGED=paged, SOFTCAP=softcap > 0, UNIFORM=uniform, num_warps=4, num_stages=3)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, TQ, device=q.device, dtype=torch.float32)
-    _decode_combine[(B * H * TQ,)](o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2), H, TQ,
-                                   splits, HEAD_DIM=D, BLOCK_S=16, BLOCK_D=block_d, num_warps=4)
+    _decode_combine[(B * H * TQ,)](o_part, lse_part, out, lse, out.stride()[:3], H, TQ, splits, HEAD_DIM=D, BLOCK_S=16,
+                                   BLOCK_D=block_d, num_warps=4)
     return out, lse

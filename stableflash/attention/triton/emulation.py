@@ -191,7 +191,8 @@ def _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, 
                  mask=offs_n[None, :] < TK, other=0.0)
     qk = dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), OPS_FP32)
     s = _round(_round(mul_rn(_round(qk, R_QK), scale), R_QK), R_SCORES)
-    return tl.where(_visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, CAUSAL, MASK, PAD), s, float("-inf"))
+    return tl.where(_visible(offs_m=offs_m, offs_n=offs_n, T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
+                             CAUSAL=CAUSAL, MASK=MASK, PAD=PAD), s, float("-inf"))
 
 
 @triton.jit
@@ -206,10 +207,9 @@ def _near_max(s, rm, eps):
 # the seed changes every call: one compiled kernel for all of them (Triton would specialise an int on its value's
 # divisibility by 16 and on being 1, and a launch decided for one seed is made again with the next)
 @triton.jit(do_not_specialize=["seed"])
-def attn_fwd(
-    Q, K, V, O, OS, LSE, STAT_COUNTS, STAT_MAX,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_ot, H, G, T, scale, eps, LT, seed, KEEP, stride_keep, TK, LEFT, RIGHT, LM,
+def _attn_fwd(
+    Q, K, V, O, OS, LSE, STAT_COUNTS, STAT_MAX, q_strides, k_strides, v_strides, o_strides, H, G, T, scale, eps, LT,
+    seed, band, LM,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, SAVE_OS: tl.constexpr, STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr,
     LOW: tl.constexpr, HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TILE_CLAMP: tl.constexpr,
@@ -227,6 +227,11 @@ def attn_fwd(
     rounded as an operation on m: R_THRESHOLD), on every logical key tile, those that no row of the tile sees
     included (there every score is the mask's -inf, a "repeated maximum" below 0, so m becomes max(m, 0)). With
     STATS, TAIL_LIMIT is `stats.tail_limit` of P̄V's format (0: no row is biasable)."""
+    stride_qb, stride_qh, stride_qt = q_strides
+    stride_kb, stride_kh, stride_kt = k_strides
+    stride_vb, stride_vh, stride_vt = v_strides
+    stride_ob, stride_oh, stride_ot = o_strides
+    KEEP, stride_keep, TK, LEFT, RIGHT = band
     scale, eps = fp32(scale), fp32(eps)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -256,8 +261,9 @@ def attn_fwd(
         # pass 1: the logical tile's row maximum
         rm = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         for start_n in range(lt, lt_end, BLOCK_N):
-            s = _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N,
-                        HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES)
+            s = _scores(q=q, K=K, k_off=k_off, start_n=start_n, offs_m=offs_m, T=T, TK=TK, stride_kt=stride_kt,
+                        scale=scale, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                        CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES)
             rm = tl.maximum(rm, tl.max(s, 1))
         rm = _round(rm, R_ROW_MAX)
         # pass 2 (SFA or statistics): near-maximum counts against the whole tile's maximum
@@ -266,8 +272,9 @@ def attn_fwd(
             rs_official = tl.zeros((BLOCK_M,), tl.int32)
             threshold = _round(rm - eps, R_THRESHOLD)
             for start_n in range(lt, lt_end, BLOCK_N):
-                s = _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N,
-                            HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES)
+                s = _scores(q=q, K=K, k_off=k_off, start_n=start_n, offs_m=offs_m, T=T, TK=TK, stride_kt=stride_kt,
+                            scale=scale, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                            CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES)
                 rs += _near_max(s, rm, eps)
                 if OFFICIAL:  # real keys only: the reference's tile ends at TK
                     real = (start_n + tl.arange(0, BLOCK_N)) < TK
@@ -287,8 +294,9 @@ def attn_fwd(
         operand_sum = tl.zeros((BLOCK_M,), tl.float32)  # P̄ as P̄V reads it, summed: a biasable row's test
         pv = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         for start_n in range(lt, lt_end, BLOCK_N):
-            s = _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N,
-                        HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES)
+            s = _scores(q=q, K=K, k_off=k_off, start_n=start_n, offs_m=offs_m, T=T, TK=TK, stride_kt=stride_kt,
+                        scale=scale, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                        CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES)
             p = _round(_exp(_round(s - m_shift[:, None], R_SUB)), R_PBAR)
             if STAB == 2:
                 p = tl.minimum(p, CLAMP_CEIL)
@@ -354,7 +362,8 @@ def _probs(q, k, lse, offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, scale, CAUSA
     s = _round(_round(mul_rn(_round(qk, R_QK), scale), R_QK), R_SCORES)
     p = _round(_exp(_round(s - lse[:, None], R_P_SUB)), R_P)
     if MASK:
-        valid = _visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, False, True, PAD)
+        valid = _visible(offs_m=offs_m, offs_n=offs_n, T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
+                         CAUSAL=False, MASK=True, PAD=PAD)
     else:
         valid = visible(offs_m, offs_n, T, CAUSAL)
     return tl.where(valid, p, 0.0)
@@ -388,8 +397,9 @@ def _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, TK, LEFT, RIGHT, k
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_rows(K + k_off, offs_n, stride_kt, TK, HEAD_DIM)
     v = load_rows(V + v_off, offs_n, stride_vt, TK, HEAD_DIM)
-    p = _probs(q, k, lse, offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, qk_scale, CAUSAL, MASK, PAD, OPS_FP32, R_QK,
-               R_SCORES, R_P_SUB, R_P)
+    p = _probs(q=q, k=k, lse=lse, offs_m=offs_m, offs_n=offs_n, T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
+               scale=qk_scale, CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES,
+               R_P_SUB=R_P_SUB, R_P=R_P)
     dp = _round(dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), OPS_FP32), R_DP)
     return k, p, dp
 
@@ -407,10 +417,8 @@ def _key_range(pid_m, T, TK, LT, LEFT, RIGHT, BLOCK_M: tl.constexpr, CAUSAL: tl.
 
 
 @triton.jit
-def attn_bwd_delta_dpp(
-    Q, K, V, DO, LSE, DELTA,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, H, G, T, qk_scale, LT, KEEP, stride_keep, TK, LEFT, RIGHT,
+def _attn_bwd_delta_dpp(
+    Q, K, V, DO, LSE, DELTA, q_strides, k_strides, v_strides, do_strides, H, G, T, qk_scale, LT, band,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr,
     R_P: tl.constexpr, R_DP: tl.constexpr, R_DPP: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
@@ -418,6 +426,11 @@ def attn_bwd_delta_dpp(
 ):
     """δ = rowsum(dP ∘ P) (the `dp_p` formula) of one query tile: P and dP recomputed over every visible key,
     summed per logical key tile and added up with the policy's rounding, as the reference does."""
+    stride_qb, stride_qh, stride_qt = q_strides
+    stride_kb, stride_kh, stride_kt = k_strides
+    stride_vb, stride_vh, stride_vt = v_strides
+    stride_dob, stride_doh, stride_dot = do_strides
+    KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale = fp32(qk_scale)
     pid_m = tl.program_id(0)
     bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
@@ -430,20 +443,20 @@ def attn_bwd_delta_dpp(
     for lt in range(lo, hi, LT):
         part = tl.zeros((BLOCK_M,), tl.float32)
         for start_n in range(lt, tl.minimum(lt + LT, hi), BLOCK_N):
-            _, p, dp = _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, TK, LEFT, RIGHT, keep_row, stride_kt,
-                             stride_vt, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES,
-                             R_P_SUB, R_P, R_DP)
+            _, p, dp = _p_dp(q=q, do=do, lse=lse, K=K, V=V, k_off=k_off, v_off=v_off, start_n=start_n, offs_m=offs_m,
+                             T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_kt=stride_kt,
+                             stride_vt=stride_vt, qk_scale=qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL,
+                             MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES, R_P_SUB=R_P_SUB,
+                             R_P=R_P, R_DP=R_DP)
             part += tl.sum(_round(_round(mul_rn(dp, p), R_DPP), R_TERMS), 1)
         delta = _round(delta + _round(part, R_DELTA), R_DELTA)
     tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
 
 
 @triton.jit(do_not_specialize=["seed"])
-def attn_bwd_dq(
-    Q, K, V, DO, O, LSE, DELTA, DQ,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
-    H, G, T, qk_scale, scale, LT, seed, KEEP, stride_keep, TK, LEFT, RIGHT,
+def _attn_bwd_dq(
+    Q, K, V, DO, O, LSE, DELTA, DQ, q_strides, k_strides, v_strides, do_strides, o_strides, g_strides, H, G, T,
+    qk_scale, scale, LT, seed, band,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, DELTA_HERE: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
@@ -454,6 +467,13 @@ def attn_bwd_dq(
     does. With DELTA_HERE it first computes its rows' δ = rowsum(dO ∘ O) (each product rounded on its own) and
     stores it for the dK/dV kernel; else it reads the δ of the `dp_p` pass. `seed`: the backward's stochastic
     rounding seed (δ's sites; unused without it)."""
+    stride_qb, stride_qh, stride_qt = q_strides
+    stride_kb, stride_kh, stride_kt = k_strides
+    stride_vb, stride_vh, stride_vt = v_strides
+    stride_dob, stride_doh, stride_dot = do_strides
+    stride_ob, stride_oh, stride_ot = o_strides
+    stride_gb, stride_gh, stride_gt = g_strides
+    KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_m = tl.program_id(0)
     bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
@@ -474,9 +494,11 @@ def attn_bwd_dq(
     for lt in range(lo, hi, LT):
         dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         for start_n in range(lt, tl.minimum(lt + LT, hi), BLOCK_N):
-            k, p, dp = _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, TK, LEFT, RIGHT, keep_row, stride_kt,
-                             stride_vt, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PAD, OPS_FP32, R_QK, R_SCORES,
-                             R_P_SUB, R_P, R_DP)
+            k, p, dp = _p_dp(q=q, do=do, lse=lse, K=K, V=V, k_off=k_off, v_off=v_off, start_n=start_n, offs_m=offs_m,
+                             T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_kt=stride_kt,
+                             stride_vt=stride_vt, qk_scale=qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL,
+                             MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES, R_P_SUB=R_P_SUB,
+                             R_P=R_P, R_DP=R_DP)
             ds = _round(_round(mul_rn(p, _round(dp - delta[:, None], R_DS1)), R_DS2), R_DS)
             if OPS_FP32:
                 dq = dot(_round(ds, R_DS_OP), k, dq, True)
@@ -487,19 +509,23 @@ def attn_bwd_dq(
 
 
 @triton.jit
-def attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, G, T, qk_scale, scale, LQ,
-    KEEP, stride_keep, TK, LEFT, RIGHT,
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV, q_strides, k_strides, v_strides, do_strides, g_strides, H, G, T, qk_scale, scale,
+    LQ, band,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_P_OP: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr,
     R_DS_OP: tl.constexpr, R_DV_PART: tl.constexpr, R_DV: tl.constexpr, R_DK_PART: tl.constexpr, R_DK: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False,
 ):
-    """dK and dV (both with strides `stride_g*`) of one key tile: each logical query tile's part accumulated in fp32,
+    """dK and dV (both with strides `g_strides`) of one key tile: each logical query tile's part accumulated in fp32,
     then rounded and added as the reference does."""
+    stride_qb, stride_qh, stride_qt = q_strides
+    stride_kb, stride_kh, stride_kt = k_strides
+    stride_vb, stride_vh, stride_vt = v_strides
+    stride_dob, stride_doh, stride_dot = do_strides
+    stride_gb, stride_gh, stride_gt = g_strides
+    KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -527,8 +553,9 @@ def attn_bwd_dkdv(
             do = load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
             lse = load_lse(LSE + row_off, offs_m, T)
             delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
-            pt = _probs_t(k, q, lse, offs_n, offs_m, T, TK, LEFT, RIGHT, keep_row, qk_scale, CAUSAL, MASK, PAD,
-                          OPS_FP32, R_QK, R_SCORES, R_P_SUB, R_P)
+            pt = _probs_t(k=k, q=q, lse=lse, offs_n=offs_n, offs_m=offs_m, T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT,
+                          keep_row=keep_row, scale=qk_scale, CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32,
+                          R_QK=R_QK, R_SCORES=R_SCORES, R_P_SUB=R_P_SUB, R_P=R_P)
             if OPS_FP32:
                 dv = dot(_round(pt, R_P_OP), do, dv, True)
             else:

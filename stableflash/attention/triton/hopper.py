@@ -134,8 +134,9 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
-        s, m_i, l_i, repeated, ones, smax, 0, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
-        dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
+        s=s, m_i=m_i, l_i=l_i, repeated=repeated, ones=ones, smax=smax, j=0, rows=rows, mask_from=mask_from, T=T,
+        qk_scale=qk_scale, eps_u=eps_u, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, S_LAYOUT=s_layout, DTYPE=dtype, STAB=STAB,
+        BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED, STATS=STATS)
     p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
 
     for j in range(n_tiles - 1):
@@ -153,8 +154,9 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
         # serialise every wgmma (C7514, docs/kernel-notes.md)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
-            s, m_i, l_i, repeated, ones, smax, nxt, rows, mask_from, T, qk_scale, eps_u, BLOCK_N, CAUSAL, s_layout,
-            dtype, STAB, BETA, LOW, HIGH, BOUNDED, STATS)
+            s=s, m_i=m_i, l_i=l_i, repeated=repeated, ones=ones, smax=smax, j=nxt, rows=rows, mask_from=mask_from, T=T,
+            qk_scale=qk_scale, eps_u=eps_u, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, S_LAYOUT=s_layout, DTYPE=dtype, STAB=STAB,
+            BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED, STATS=STATS)
         # P̄_j's registers are the running wgmma's operand: the wait names them so that nothing reuses them before
         # (without it the softmax's values overwrote them: NaN on the GPU)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
@@ -197,14 +199,16 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
 
 
 @gluon.jit
-def attn_fwd(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
-                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-                     stride_ob, stride_oh, stride_ot, H, G, T, qk_scale, eps_u,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
-                     LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
-                     HEAVY_FIRST: gl.constexpr, PINGPONG: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                     KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+def _attn_fwd(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX, q_strides, k_strides, v_strides, o_strides, H, G, T, qk_scale,
+              eps_u, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
+              LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
+              HEAVY_FIRST: gl.constexpr, PINGPONG: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+              num_warps: gl.constexpr):
+    stride_qb, stride_qh, stride_qt = q_strides
+    stride_kb, stride_kh, stride_kt = k_strides
+    stride_vb, stride_vh, stride_vt = v_strides
+    stride_ob, stride_oh, stride_ot = o_strides
     gl.static_assert(STAGES >= 3, "a buffer is refilled once its P̄V completes: three keep each load a tile ahead")
     gl.static_assert(not PINGPONG or (LOADER_WARP and num_warps == 4 and BLOCK_M == 128),
                      "pingpong: two warpgroups of 64 rows (the kernel's 4 warps and a worker's) and a loader warp")
@@ -278,10 +282,12 @@ def attn_fwd(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
     else:
         for i in gl.static_range(STAGES):
             _issue_kv(k_desc, v_desc, k_smem, v_smem, ready_bars, i, BLOCK_N, STAGES, i < n_tiles)
-        _consume(k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), ready_bars, empty_bars,
-                 turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, o_base, stride_ot, bh, h, m0, T, n_tiles, mask_from, qk_scale,
-                 eps_u, HEAD_DIM, ROWS, BLOCK_N, STAGES, CAUSAL, LOADER_WARP, STAB, BETA, LOW, HIGH, BOUNDED, STATS,
-                 PINGPONG, 0)
+        _consume(k_desc=k_desc, v_desc=v_desc, q_smem=q_smem.index(0), k_smem=k_smem, v_smem=v_smem,
+                 q_bar=q_bars.index(0), ready_bars=ready_bars, empty_bars=empty_bars, turn_bars=turn_bars, O=O, LSE=LSE,
+                 STAT_COUNTS=STAT_COUNTS, STAT_MAX=STAT_MAX, o_base=o_base, stride_ot=stride_ot, bh=bh, h=h, m0=m0, T=T,
+                 n_tiles=n_tiles, mask_from=mask_from, qk_scale=qk_scale, eps_u=eps_u, HEAD_DIM=HEAD_DIM, BLOCK_M=ROWS,
+                 BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, LOADER_WARP=LOADER_WARP, STAB=STAB, BETA=BETA, LOW=LOW,
+                 HIGH=HIGH, BOUNDED=BOUNDED, STATS=STATS, PINGPONG=PINGPONG, WG=0)
     for i in gl.static_range(CONSUMERS):
         mbarrier.invalidate(q_bars.index(i))
     for i in gl.static_range(STAGES):

@@ -18,7 +18,7 @@ import triton
 
 from stableflash.attention.stats import STAT_COLUMNS
 from stableflash.attention.triton import emulation, native, options
-from stableflash.attention.triton.spec import INTERPRET, KernelSpec, spec_named
+from stableflash.attention.triton.spec import INTERPRET, KernelSpec, native_scales, spec_named
 from stableflash.attention.triton.tuning import (
     DELTA_CONFIG,
     INTERPRETER_CONFIG,
@@ -52,7 +52,7 @@ def _launch_tuned(tunable: Tunable, grid, args: tuple, meta: dict, *, T: int, dt
     if INTERPRET:
         _launch(tunable.kernel, grid, args, {**meta, "TMA": False}, INTERPRETER_CONFIG)
         return
-    key = TILE_PICKS.key(tunable.kernel.__name__, "either" if either else "pointers", T, dtype, meta)
+    key = TILE_PICKS.key(tunable.name, "either" if either else "pointers", T, dtype, meta)
     picked = TILE_PICKS.get(key)
     if picked is not None:
         _launch(tunable.kernel, grid, args, meta, picked)
@@ -141,7 +141,8 @@ def band_of(q, k, causal: bool, window: tuple[int, int], keep: torch.Tensor | No
 
 
 def _band_args(band: Band | None, T: int, TK: int, placeholder: torch.Tensor) -> tuple:
-    """The kernels' (KEEP, stride_keep, TK, LEFT, RIGHT); a call without a band passes a placeholder pointer."""
+    """The kernels' `band` argument, (KEEP, stride_keep, TK, LEFT, RIGHT); a call without a band passes a placeholder
+    pointer."""
     if band is None:
         return placeholder, 0, T, -1, -1
     if band.keep is None:
@@ -167,7 +168,8 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _strides(t):
+def _strides(t) -> tuple[int, int, int]:
+    """A kernel's `x_strides` argument: (batch, head, position) of a (B, H, T, D) tensor."""
     return t.stride()[:3]
 
 
@@ -214,13 +216,10 @@ def _check_softcap(softcap: float, spec: KernelSpec) -> None:
         raise ValueError(f"softcap: the fused kernels cap scores only under production FA2 numerics, not {spec.name!r}")
 
 
-def _scales(scale: float, softcap: float, spec: KernelSpec) -> tuple[float, float, dict]:
-    """The native kernels' (scale, softcap) arguments and switch: scale in base-2 units, or under a cap the natural
-    scale over the cap and the cap in base-2 units (`native.py`, SOFTCAP); the switch absent without a cap, so the
-    plain kernels' tile picks keep their keys."""
-    if softcap > 0:
-        return scale / softcap, softcap * spec.units, {"SOFTCAP": True}
-    return scale * spec.units, 0.0, {}
+def _scales(scale: float, softcap: float) -> tuple[float, float, dict]:
+    """The native kernels' (scale, softcap) arguments (`spec.native_scales`) and switch: absent without a cap, so
+    the plain kernels' tile picks keep their keys."""
+    return (*native_scales(scale, softcap), {"SOFTCAP": True} if softcap > 0 else {})
 
 
 # -- forward and backward ---------------------------------------------------------------------------------------------
@@ -247,14 +246,14 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
         counts, smax = q.new_empty(0, dtype=torch.int64), q.new_empty(0, dtype=torch.float32)
     eps = spec.eps if spec.stab == 1 else stats_eps * spec.units
     G = H // k.shape[1]  # query heads per key/value head (grouped-query attention)
-    tensors = (q, k, v, out, lse, counts, smax, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
+    tensors = (q, k, v, out, lse, counts, smax, _strides(q), _strides(k), _strides(v), _strides(out))
     launch = dict(HEAD_DIM=D, CAUSAL=causal, STATS=stats)
 
     if not spec.native:
         seed = draw_seed() if spec.stochastic else 0  # where the reference draws it: the same bits
         args = (*tensors[:4], o_saved if spec.save_fp32_o else out, *tensors[4:], H, G, T, scale * spec.units, eps,
-                spec.logical_n, seed, *_band_args(band, T, k.shape[-2], lse), spec.logical_m)
-        _launch(emulation.attn_fwd, lambda m: (_ceil_div(T, m["BLOCK_M"]), B * H), args,
+                spec.logical_n, seed, _band_args(band, T, k.shape[-2], lse), spec.logical_m)
+        _launch(emulation._attn_fwd, lambda m: (_ceil_div(T, m["BLOCK_M"]), B * H), args,
                 {**spec.forward_constants, **launch, **_band_meta(band, native=False)},
                 emulation_config(spec.ops_fp32, D))
         return out, o_saved, lse, counts, smax
@@ -263,11 +262,11 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     if tile is not None:
         _allow_device_descriptors()
         constants, config = _hopper_constants(name, D, q.dtype, causal, tile, stats)
-        _launch(hopper.attn_fwd, lambda _: hopper.grid(B * H, T, tile), (*tensors, H, G, T, scale * spec.units, eps),
+        _launch(hopper._attn_fwd, lambda _: hopper.grid(B * H, T, tile), (*tensors, H, G, T, scale * spec.units, eps),
                 constants, config)
         return out, o_saved, lse, counts, smax
 
-    kernel_scale, kernel_softcap, capped = _scales(scale, softcap, spec)
+    kernel_scale, kernel_softcap, capped = _scales(scale, softcap)
     meta = {**spec.forward_constants, **launch, **_band_meta(band), **capped}
     either = _tma_candidates(spec, D, k, v)
     if either:
@@ -277,7 +276,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
         tiles = _ceil_div(T, m["BLOCK_M"])
         return (B * H, tiles) if meta["HEADS_FIRST"] else (tiles, B * H)
 
-    _launch_tuned(NATIVE_FWD, grid, (*tensors, H, G, T, kernel_scale, eps, *_band_args(band, T, k.shape[-2], lse),
+    _launch_tuned(NATIVE_FWD, grid, (*tensors, H, G, T, kernel_scale, eps, _band_args(band, T, k.shape[-2], lse),
                                      kernel_softcap), meta, T=T, dtype=q.dtype, either=either)
     return out, o_saved, lse, counts, smax
 
@@ -297,7 +296,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
     G, TK = H // k.shape[1], k.shape[-2]
-    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+    strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     dq = empty_in_layout_of(q, q.dtype)
     shares = G > 1 and not (spec.native and group_sum)
@@ -307,8 +306,8 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         dk = empty_in_layout_of(k, k.dtype)
         dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
     # dQ first: it writes δ (unless the dp_p pass did) for the dK/dV kernel
-    dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, *_strides(o_saved), *_strides(dq), H, G, T)
-    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, *_strides(dk), H, G, T)
+    dq_args = (q, k, v, dout, o_saved, lse, delta, dq, *strides, _strides(o_saved), _strides(dq), H, G, T)
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *strides, _strides(dk), H, G, T)
     atomic_dq = spec.native and atomic_dq
     dq_acc = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device) if atomic_dq else \
         torch.empty(0, dtype=torch.float32, device=q.device)  # what the dK/dV programs add dQ / scale into
@@ -329,31 +328,31 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         if either:
             _allow_device_descriptors()
         grouped = {"GROUP": G} if in_program else {}  # absent otherwise: MHA's picks keep their keys
-        kernel_scale, kernel_softcap, capped = _scales(scale, softcap, spec)
+        kernel_scale, kernel_softcap, capped = _scales(scale, softcap)
         scales = (kernel_scale, scale)  # the scores' (`_scales`), and dQ's and dK's natural one
         if atomic_dq:  # δ alone; dQ comes from the dK/dV programs
-            _launch(native.attn_bwd_delta, rows, (o_saved, dout, delta, *_strides(o_saved), *_strides(dout), H, T),
+            _launch(native._attn_bwd_delta, rows, (o_saved, dout, delta, _strides(o_saved), _strides(dout), H, T),
                     {"HEAD_DIM": D}, DELTA_CONFIG)
         else:
-            _launch_tuned(NATIVE_DQ, rows, (*dq_args, *scales, *masking, kernel_softcap), {**launch, **capped}, T=T,
+            _launch_tuned(NATIVE_DQ, rows, (*dq_args, *scales, masking, kernel_softcap), {**launch, **capped}, T=T,
                           dtype=q.dtype, either=either)
         native_dkdv = (*dkdv_args[:8], dq_acc, *dkdv_args[8:])
         atomic = {"ATOMIC_DQ": True} if atomic_dq else {}  # absent when off: the picks keep their keys
-        _launch_tuned(NATIVE_DKDV, cols, (*native_dkdv, *scales, *masking, kernel_softcap),
+        _launch_tuned(NATIVE_DKDV, cols, (*native_dkdv, *scales, masking, kernel_softcap),
                       {**launch, **grouped, **capped, **atomic}, T=T, dtype=q.dtype, either=either)
         if atomic_dq:
             dq.copy_(dq_acc.mul_(scale))
     else:
         config = emulation_config(spec.ops_fp32, D)
         if spec.delta_constants is not None:
-            _launch(emulation.attn_bwd_delta_dpp, rows,
-                    (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n, *masking),
+            _launch(emulation._attn_bwd_delta_dpp, rows,
+                    (q, k, v, dout, lse, delta, *strides, H, G, T, scale, spec.logical_n, masking),
                     {**spec.delta_constants, **launch}, config)
         seed = draw_seed() if spec.backward_stochastic else 0  # where the reference's backward draws its own
         scales = (scale * spec.units, scale)
-        _launch(emulation.attn_bwd_dq, rows, (*dq_args, *scales, spec.logical_n, seed, *masking),
+        _launch(emulation._attn_bwd_dq, rows, (*dq_args, *scales, spec.logical_n, seed, masking),
                 {**spec.dq_constants, **launch}, config)
-        _launch(emulation.attn_bwd_dkdv, cols, (*dkdv_args, *scales, spec.logical_m, *masking),
+        _launch(emulation._attn_bwd_dkdv, cols, (*dkdv_args, *scales, spec.logical_m, masking),
                 {**spec.dkdv_constants, **launch}, config)
     if shares:
         dk, dv = (torch.sum(t.unflatten(1, (H // G, G)), dim=2, out=empty_in_layout_of(k, t.dtype)) for t in (dk, dv))

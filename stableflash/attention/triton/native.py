@@ -3,7 +3,7 @@
 fp32 statistics and accumulators, P̄ and dS cast to the input dtype for the tensor-core matmuls, scores in base-2
 units so that the exponentials are `exp2` (the launcher folds log2(e) into the scale). Three kernels: the forward,
 and the backward's dQ (which also writes δ = rowsum(dO ∘ O)) and dK/dV, launched in that order; or, with
-`ATOMIC_DQ` (`KernelOptions.atomic_dq`), δ alone (`attn_bwd_delta`) and a dK/dV kernel that adds dQ with atomics.
+`ATOMIC_DQ` (`KernelOptions.atomic_dq`), δ alone (`_attn_bwd_delta`) and a dK/dV kernel that adds dQ with atomics.
 
 Compile-time features, none paid for when off: `STAB` 0 plain, 1 SFA (the seed's Algorithm 3 per key tile, bounded
 or not), 2 ClampPbar; `SOFTCAP` caps the scores as softcap · tanh(S / softcap) (Gemma 2's; `scale` is then the
@@ -146,16 +146,20 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
 
 
 @triton.jit
-def attn_fwd(
-    Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_ot, H, G, T, scale, eps, KEEP, stride_keep, TK, LEFT, RIGHT, softcap,
+def _attn_fwd(
+    Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX, q_strides, k_strides, v_strides, o_strides, H, G, T, scale, eps, band,
+    softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
     BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """O and the base-2 lse of one query tile; `scale` and `eps` in base-2 units (`scale` natural under SOFTCAP)."""
+    stride_qb, stride_qh, stride_qt = q_strides
+    stride_kb, stride_kh, stride_kt = k_strides
+    stride_vb, stride_vh, stride_vt = v_strides
+    stride_ob, stride_oh, stride_ot = o_strides
+    KEEP, stride_keep, TK, LEFT, RIGHT = band
     scale, eps, softcap = fp32(scale), fp32(eps), fp32(softcap)
     if HEADS_FIRST:  # grid (heads, query tiles), every head's heaviest causal tile first (SFA: measured faster)
         pid_m = tl.num_programs(1) - 1 - tl.program_id(1) if CAUSAL else tl.program_id(1)
@@ -186,29 +190,32 @@ def attn_fwd(
             lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
         for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
-                q, KS, VS, k_off, v_off, start_n, offs_m, TK, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps=eps, TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
-                softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, MASKED=True, MASK=True,
-                PAD=PAD, STAB=STAB, STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED,
-                CLAMP_CEIL=CLAMP_CEIL, TMA=TMA, SOFTCAP=SOFTCAP)
+                q=q, K=KS, V=VS, k_off=k_off, v_off=v_off, start_n=start_n, offs_m=offs_m, T=TK, stride_kt=stride_kt,
+                stride_vt=stride_vt, scale=scale, m=m, l=l, acc=acc, repeated=repeated, ones=ones, smax=smax, eps=eps,
+                TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
+                BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, MASKED=True, MASK=True, PAD=PAD, STAB=STAB,
+                STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED, CLAMP_CEIL=CLAMP_CEIL, TMA=TMA,
+                SOFTCAP=SOFTCAP)
     else:
         # key tiles left of the diagonal (causal) or before the ragged end need no mask
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
         for start_n in range(0, free, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
-                q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps=eps, TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
-                softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=False, MASK=False,
-                PAD=False, STAB=STAB, STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED,
-                CLAMP_CEIL=CLAMP_CEIL, TMA=TMA, SOFTCAP=SOFTCAP)
+                q=q, K=KS, V=VS, k_off=k_off, v_off=v_off, start_n=start_n, offs_m=offs_m, T=T, stride_kt=stride_kt,
+                stride_vt=stride_vt, scale=scale, m=m, l=l, acc=acc, repeated=repeated, ones=ones, smax=smax, eps=eps,
+                TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
+                BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=False, MASK=False, PAD=False, STAB=STAB,
+                STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED, CLAMP_CEIL=CLAMP_CEIL, TMA=TMA,
+                SOFTCAP=SOFTCAP)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
-                q, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, scale, m, l, acc, repeated, ones,
-                smax, eps=eps, TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
-                softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=True, MASK=False,
-                PAD=False, STAB=STAB, STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED,
-                CLAMP_CEIL=CLAMP_CEIL, TMA=TMA, SOFTCAP=SOFTCAP)
+                q=q, K=KS, V=VS, k_off=k_off, v_off=v_off, start_n=start_n, offs_m=offs_m, T=T, stride_kt=stride_kt,
+                stride_vt=stride_vt, scale=scale, m=m, l=l, acc=acc, repeated=repeated, ones=ones, smax=smax, eps=eps,
+                TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
+                BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=True, MASK=False, PAD=False, STAB=STAB,
+                STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED, CLAMP_CEIL=CLAMP_CEIL, TMA=TMA,
+                SOFTCAP=SOFTCAP)
 
     empty = m == float("-inf")  # rows that see no key: O = 0, lse = -inf
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
@@ -262,9 +269,9 @@ def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_k
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _tile_rows(K, k_off, start_n, stride_kt, TK, BLOCK_N, HEAD_DIM, TMA)
     v = _tile_rows(V, v_off, start_n, stride_vt, TK, BLOCK_N, HEAD_DIM, TMA)
-    p, slope = _probs(q, k, lse, offs_m, offs_n, T, qk_scale, TK=TK, LEFT=LEFT, RIGHT=RIGHT, qtags=qtags,
-                      ktags=key_tags(key_row, offs_n, TK, PAD), aligned=aligned, softcap=softcap, CAUSAL=CAUSAL,
-                      MASKED=MASKED, MASK=MASK, SOFTCAP=SOFTCAP)
+    p, slope = _probs(q=q, k=k, lse=lse, offs_m=offs_m, offs_n=offs_n, T=T, scale=qk_scale, TK=TK, LEFT=LEFT,
+                      RIGHT=RIGHT, qtags=qtags, ktags=key_tags(key_row, offs_n, TK, PAD), aligned=aligned,
+                      softcap=softcap, CAUSAL=CAUSAL, MASKED=MASKED, MASK=MASK, SOFTCAP=SOFTCAP)
     dp = dot(do, tl.trans(v), tl.zeros((do.shape[0], BLOCK_N), tl.float32), False)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
@@ -273,16 +280,21 @@ def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_k
 
 
 @triton.jit
-def attn_bwd_dq(
-    Q, K, V, DO, O, LSE, DELTA, DQ,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt,
-    H, G, T, qk_scale, scale, KEEP, stride_keep, TK, LEFT, RIGHT, softcap,
+def _attn_bwd_dq(
+    Q, K, V, DO, O, LSE, DELTA, DQ, q_strides, k_strides, v_strides, do_strides, o_strides, g_strides, H, G, T,
+    qk_scale, scale, band, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
-    """dQ (strides `stride_g*`) of one query tile, over the key tiles it sees. It first computes its rows'
+    """dQ (strides `g_strides`) of one query tile, over the key tiles it sees. It first computes its rows'
     δ = rowsum(dO ∘ O) and stores it for the dK/dV kernel, launched after it: one launch fewer than a δ pass."""
+    stride_qb, stride_qh, stride_qt = q_strides
+    stride_kb, stride_kh, stride_kt = k_strides
+    stride_vb, stride_vh, stride_vt = v_strides
+    stride_dob, stride_doh, stride_dot = do_strides
+    stride_ob, stride_oh, stride_ot = o_strides
+    stride_gb, stride_gh, stride_gt = g_strides
+    KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
     pid_m = tl.program_id(0)
     bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
@@ -305,23 +317,26 @@ def attn_bwd_dq(
         else:
             lo, hi = band_keys(pid_m * BLOCK_M, BLOCK_M, BLOCK_N, T, TK, LEFT, RIGHT)
         for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-            dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, TK=TK, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
-                          softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, MASKED=True, TMA=TMA,
-                          MASK=True, PAD=PAD, SOFTCAP=SOFTCAP)
+            dq = _dq_tile(q=q, do=do, lse=lse, delta=delta, K=KS, V=VS, k_off=k_off, v_off=v_off, start_n=start_n,
+                          offs_m=offs_m, T=T, stride_kt=stride_kt, stride_vt=stride_vt, qk_scale=qk_scale, dq=dq, TK=TK,
+                          LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
+                          BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, MASKED=True, TMA=TMA, MASK=True, PAD=PAD,
+                          SOFTCAP=SOFTCAP)
     else:
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
         for start_n in range(0, free, BLOCK_N):
-            dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, TK=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
-                          softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=False, TMA=TMA,
-                          MASK=False, PAD=False, SOFTCAP=SOFTCAP)
+            dq = _dq_tile(q=q, do=do, lse=lse, delta=delta, K=KS, V=VS, k_off=k_off, v_off=v_off, start_n=start_n,
+                          offs_m=offs_m, T=T, stride_kt=stride_kt, stride_vt=stride_vt, qk_scale=qk_scale, dq=dq, TK=T,
+                          LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
+                          BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=False, TMA=TMA, MASK=False,
+                          PAD=False, SOFTCAP=SOFTCAP)
         for start_n in range(free, hi, BLOCK_N):
-            dq = _dq_tile(q, do, lse, delta, KS, VS, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt,
-                          qk_scale, dq, TK=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned,
-                          softcap=softcap, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=True, TMA=TMA,
-                          MASK=False, PAD=False, SOFTCAP=SOFTCAP)
+            dq = _dq_tile(q=q, do=do, lse=lse, delta=delta, K=KS, V=VS, k_off=k_off, v_off=v_off, start_n=start_n,
+                          offs_m=offs_m, T=T, stride_kt=stride_kt, stride_vt=stride_vt, qk_scale=qk_scale, dq=dq, TK=T,
+                          LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
+                          BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False,
+                          PAD=False, SOFTCAP=SOFTCAP)
     store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq * scale, offs_m, stride_gt, T, HEAD_DIM)
 
 
@@ -357,15 +372,17 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, g, start_m
     """One query tile's share of dK and dV, of the group's query head g (batch·head first + g); with ATOMIC_DQ also
     its share of dQ / scale, added into the fp32 (B, H, T, HEAD_DIM) DQ_ACC."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _group_rows(Q, q_off, g, stride_qh, start_m, stride_qt, T, BLOCK_M, HEAD_DIM, TMA)
-    do = _group_rows(DO, do_off, g, stride_doh, start_m, stride_dot, T, BLOCK_M, HEAD_DIM, TMA)
+    q = _group_rows(X=Q, x_off=q_off, g=g, stride_h=stride_qh, start=start_m, stride_t=stride_qt, T=T, ROWS=BLOCK_M,
+                    HEAD_DIM=HEAD_DIM, TMA=TMA)
+    do = _group_rows(X=DO, x_off=do_off, g=g, stride_h=stride_doh, start=start_m, stride_t=stride_dot, T=T,
+                     ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, TMA=TMA)
     row_off = (first + g).to(tl.int64) * T
     lse = load_lse(LSE + row_off, offs_m, T)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
     qtags, aligned = query_tags(keep_row, stride_keep, offs_m, T, TK, SEG)
-    pt, slope = _probs_t(k, q, lse, offs_n, offs_m, T, qk_scale, TK=TK, LEFT=LEFT, RIGHT=RIGHT, qtags=qtags,
-                         ktags=ktags, aligned=aligned, softcap=softcap, CAUSAL=CAUSAL, MASKED=MASKED, MASK=MASK,
-                         SOFTCAP=SOFTCAP)
+    pt, slope = _probs_t(k=k, q=q, lse=lse, offs_n=offs_n, offs_m=offs_m, T=T, scale=qk_scale, TK=TK, LEFT=LEFT,
+                         RIGHT=RIGHT, qtags=qtags, ktags=ktags, aligned=aligned, softcap=softcap, CAUSAL=CAUSAL,
+                         MASKED=MASKED, MASK=MASK, SOFTCAP=SOFTCAP)
     dv = dot(cast(pt, do.dtype), do, dv, False)
     dpt = dot(v, tl.trans(do), tl.zeros((v.shape[0], BLOCK_M), tl.float32), False)
     dst = pt * (dpt - delta[None, :])
@@ -392,18 +409,20 @@ def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, l
     (`research/offline_compile.py`)."""
     if GROUP == 1:
         for start_m in range(lo, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, 0, start_m, offs_n, T,
-                                stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, dk, dv, TK=TK, LEFT=LEFT,
-                                RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap,
-                                BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=MASKED, TMA=TMA, MASK=MASK,
-                                SEG=SEG, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+            dk, dv = _dkdv_tile(k=k, v=v, Q=Q, DO=DO, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off, do_off=do_off,
+                                first=first, g=0, start_m=start_m, offs_n=offs_n, T=T, stride_qh=stride_qh,
+                                stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot, qk_scale=qk_scale,
+                                dk=dk, dv=dv, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep,
+                                ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL,
+                                MASKED=MASKED, TMA=TMA, MASK=MASK, SEG=SEG, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
     else:
         tiles = tl.cdiv(hi - lo, BLOCK_M)  # <= 0 where there are none
         for i in range(GROUP * tiles):
             g = i // tiles
-            dk, dv = _dkdv_tile(k, v, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, g,
-                                lo + (i - g * tiles) * BLOCK_M, offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot,
-                                qk_scale, dk, dv, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
+            dk, dv = _dkdv_tile(k=k, v=v, Q=Q, DO=DO, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off, do_off=do_off,
+                                first=first, g=g, start_m=lo + (i - g * tiles) * BLOCK_M, offs_n=offs_n, T=T,
+                                stride_qh=stride_qh, stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot,
+                                qk_scale=qk_scale, dk=dk, dv=dv, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
                                 stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
                                 HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=MASKED, TMA=TMA, MASK=MASK, SEG=SEG,
                                 SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
@@ -411,9 +430,10 @@ def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, l
 
 
 @triton.jit
-def attn_bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, H, T,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def _attn_bwd_delta(O, DO, DELTA, o_strides, do_strides, H, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """δ = rowsum(dO ∘ O) of one query tile, fp32, where the dQ kernel does not run to write it (ATOMIC_DQ)."""
+    stride_ob, stride_oh, stride_ot = o_strides
+    stride_dob, stride_doh, stride_dot = do_strides
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
@@ -422,22 +442,26 @@ def attn_bwd_delta(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_dob, st
 
 
 @triton.jit
-def attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt, H, G, T, qk_scale, scale, KEEP, stride_keep,
-    TK, LEFT, RIGHT, softcap,
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, q_strides, k_strides, v_strides, do_strides, g_strides, H, G, T, qk_scale,
+    scale, band, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, GROUP: tl.constexpr = 1, SEG: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False,
 ):
-    """dK and dV (both with strides `stride_g*`) of one key tile, over the query tiles that see it. With GROUP > 1
+    """dK and dV (both with strides `g_strides`) of one key tile, over the query tiles that see it. With GROUP > 1
     (grouped-query attention, GROUP = G) a program serves one key/value head and sums its group's query heads in
     fp32 before it stores, as flash-attn 3 does, on a grid (B·H / G, key tiles): every head's first key tiles, which
     see the most causal query tiles, start before any head's last. Else one query head's share, grid (key tiles,
     B·H) (GQA with `group_sum_in_program` off, or under emulation: summed over each group by the launcher).
     ATOMIC_DQ (`KernelOptions.atomic_dq`): each program also adds its key tile's share of dQ / scale into the fp32
-    DQ_ACC with atomics (FA2's backward, without the dQ kernel; δ from `attn_bwd_delta`), in no fixed order."""
+    DQ_ACC with atomics (FA2's backward, without the dQ kernel; δ from `_attn_bwd_delta`), in no fixed order."""
+    stride_qb, stride_qh, stride_qt = q_strides
+    stride_kb, stride_kh, stride_kt = k_strides
+    stride_vb, stride_vh, stride_vt = v_strides
+    stride_dob, stride_doh, stride_dot = do_strides
+    stride_gb, stride_gh, stride_gt = g_strides
+    KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
     pid_n = tl.program_id(1) if GROUP > 1 else tl.program_id(0)
     program = tl.program_id(0) if GROUP > 1 else tl.program_id(1)
@@ -458,31 +482,37 @@ def attn_bwd_dkdv(
             lo, hi = packed_queries(keep_row + T, stride_keep, offs_n, TK, LEFT, RIGHT)
         else:
             lo, hi = band_queries(pid_n * BLOCK_N, BLOCK_N, BLOCK_M, T, TK, LEFT, RIGHT)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, DQ_ACC, q_off, do_off, first, (lo // BLOCK_M) * BLOCK_M, hi,
-                             offs_n, T, stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=TK, LEFT=LEFT, RIGHT=RIGHT,
-                             keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
-                             HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=False, MASKED=True, TMA=TMA, MASK=True,
-                             SEG=SEG, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+        dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off,
+                             do_off=do_off, first=first, lo=(lo // BLOCK_M) * BLOCK_M, hi=hi, offs_n=offs_n, T=T,
+                             stride_qh=stride_qh, stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot,
+                             qk_scale=qk_scale, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
+                             stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
+                             GROUP=GROUP, CAUSAL=False, MASKED=True, TMA=TMA, MASK=True, SEG=SEG, SOFTCAP=SOFTCAP,
+                             ATOMIC_DQ=ATOMIC_DQ)
     else:
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
         diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
         free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, DQ_ACC, q_off, do_off, first, lo, diag_end, offs_n, T,
-                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT,
-                             keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
-                             HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False,
-                             SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, DQ_ACC, q_off, do_off, first, diag_end, free_end, offs_n, T,
-                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT,
-                             keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
-                             HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=False, TMA=TMA, MASK=False,
-                             SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
-        dk, dv = _dkdv_tiles(k, v, dk, dv, QS, DOS, LSE, DELTA, DQ_ACC, q_off, do_off, first, free_end, T, offs_n, T,
-                             stride_qh, stride_qt, stride_doh, stride_dot, qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT,
-                             keep_row=keep_row, stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
-                             HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False,
-                             SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+        dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off,
+                             do_off=do_off, first=first, lo=lo, hi=diag_end, offs_n=offs_n, T=T, stride_qh=stride_qh,
+                             stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot, qk_scale=qk_scale, TK=T,
+                             LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags,
+                             softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL,
+                             MASKED=True, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+        dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off,
+                             do_off=do_off, first=first, lo=diag_end, hi=free_end, offs_n=offs_n, T=T,
+                             stride_qh=stride_qh, stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot,
+                             qk_scale=qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
+                             stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
+                             GROUP=GROUP, CAUSAL=CAUSAL, MASKED=False, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP,
+                             ATOMIC_DQ=ATOMIC_DQ)
+        dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off,
+                             do_off=do_off, first=first, lo=free_end, hi=T, offs_n=offs_n, T=T, stride_qh=stride_qh,
+                             stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot, qk_scale=qk_scale, TK=T,
+                             LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags,
+                             softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL,
+                             MASKED=True, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
     out = head_offset(program, H // GROUP, stride_gb, stride_gh)
     store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM)
     store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM)

@@ -45,6 +45,14 @@ _BF16_VALUED = {"bf16", "e8m6", "e8m5", "e8m4", "e8m3"}  # formats whose every v
 _NATIVE_TILE = PRESETS["fa2"].block_m
 
 
+def native_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """The native kernels' (scale, softcap) arguments (`common.scores`): the scale in base-2 units; under a cap
+    (softcap > 0) the natural scale over the cap, and the cap in base-2 units."""
+    if softcap > 0:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0
+
+
 def _promote(a: int, b: int) -> int:
     return a if a == b else 0
 

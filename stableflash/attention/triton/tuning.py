@@ -55,6 +55,8 @@ def _prune(configs, named_args, **meta):
 
 class Tunable(NamedTuple):
     """A native kernel with its autotuners: over pointer-load tiles, and over those tiles with and without TMA."""
+    name: str
+    """The kernel's name in the tile picks' keys (and so in checkpoints): stable across renames of the function."""
     kernel: triton.runtime.JITFunction
     key: tuple[str, ...]
     """The arguments whose values the autotuners tune for separately (with the tensors' dtypes)."""
@@ -64,11 +66,11 @@ class Tunable(NamedTuple):
     """The first candidate with pointer loads: the tile launched untuned (`KernelOptions.autotune` off)."""
 
     @classmethod
-    def of(cls, kernel, configs, key, restore=(), reset=()) -> Tunable:
+    def of(cls, name, kernel, configs, key, restore=(), reset=()) -> Tunable:
         first = triton.Config({**configs[0].kwargs, "TMA": False}, num_warps=configs[0].num_warps,
                               num_stages=configs[0].num_stages)
         if INTERPRET:
-            return cls(kernel, tuple(key), None, None, first)
+            return cls(name, kernel, tuple(key), None, None, first)
 
         def tuned(candidates):
             # kernels that add with atomics: the statistics into the caller's running totals (`restore`: autotuning's
@@ -79,7 +81,7 @@ class Tunable(NamedTuple):
         def with_tma(c, tma):
             return triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages)
 
-        return cls(kernel, tuple(key), tuned([with_tma(c, False) for c in configs]),
+        return cls(name, kernel, tuple(key), tuned([with_tma(c, False) for c in configs]),
                    tuned([with_tma(c, tma) for c in configs for tma in (False, True)]), first)
 
 
@@ -87,10 +89,10 @@ class Tunable(NamedTuple):
 # tuned for itself rather than reusing the plain launch's pick: a band or padding changes which tiles are visited,
 # and a grouped dK/dV program does its group's work (a quarter of the programs with 4 query heads per key/value head).
 BAND_SWITCHES = ("MASK", "PAD", "SEG")
-NATIVE_FWD = Tunable.of(native.attn_fwd, FWD_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *BAND_SWITCHES),
-                        restore=("STAT_COUNTS",))
-NATIVE_DQ = Tunable.of(native.attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES))
-NATIVE_DKDV = Tunable.of(native.attn_bwd_dkdv, DKDV_CONFIGS,
+NATIVE_FWD = Tunable.of("attn_fwd", native._attn_fwd, FWD_CONFIGS,
+                        ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *BAND_SWITCHES), restore=("STAT_COUNTS",))
+NATIVE_DQ = Tunable.of("attn_bwd_dq", native._attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES))
+NATIVE_DKDV = Tunable.of("attn_bwd_dkdv", native._attn_bwd_dkdv, DKDV_CONFIGS,
                          ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES, "GROUP", "ATOMIC_DQ"), reset=("DQ_ACC",))
 
 
@@ -132,7 +134,7 @@ class TilePicks:
     def load_state_dict(self, state: list[dict]) -> int:
         """Adds the picks of `state` (a checkpoint's), replacing any made for the same launch in this process.
         Returns how many were left out: picks of kernels this version does not launch (older checkpoints')."""
-        names = {t.kernel.__name__ for t in (NATIVE_FWD, NATIVE_DQ, NATIVE_DKDV)}
+        names = {t.name for t in (NATIVE_FWD, NATIVE_DQ, NATIVE_DKDV)}
         skipped = 0
         for pick in state:
             key = tuple(tuple(k) if isinstance(k, list) else k for k in pick["key"])
