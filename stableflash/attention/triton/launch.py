@@ -340,8 +340,8 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         atomic = {"ATOMIC_DQ": True} if atomic_dq else {}  # absent when off: the picks keep their keys
         _launch_tuned(NATIVE_DKDV, cols, (*native_dkdv, *scales, masking, kernel_softcap),
                       {**launch, **grouped, **capped, **atomic}, T=T, dtype=q.dtype, either=either)
-        if atomic_dq:
-            dq.copy_(dq_acc.mul_(scale))
+        if atomic_dq:  # scaled and cast in one pass over the fp32 sums (as the default's fp32 dQ * scale, then cast)
+            torch.mul(dq_acc, scale, out=dq)
     else:
         config = emulation_config(spec.ops_fp32, D)
         if spec.delta_constants is not None:
