@@ -5,6 +5,8 @@
 # private entry points are deselected (research/flash_attn_shim/upstream_cases.py); SAMPLE N runs one case in N
 # of each large test function (default 1: all). Writes OUT/flash-attn-tests.{log,xml}, OUT/cases.json and
 # OUT/failures.jsonl (each failure's error, as it happens). Arguments after SAMPLE go to pytest (say, -k to pick cases).
+# SHARD=K (0 <= K < SAMPLE) runs the K-th of SAMPLE disjoint shards instead of the first: shards 0..SAMPLE-1 cover
+# every case in scope between them, so calls that each fit a time limit can run the whole file.
 # The kernels launch at fixed tiles, untuned (TILES=tuned: autotune each shape, as a user's first call does).
 #   research/flash_attn_tests.sh REPO OUT [SAMPLE [PYTEST_ARGS...]]   (WORKERS: pytest-xdist workers, default 16;
 #                                                     EXTRA_PYTHONPATH: where einops is, if not installed)
@@ -18,6 +20,7 @@ export FLASH_ATTN_REPO=$(cd "$repo" && pwd)
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
 python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
   -n "${WORKERS:-16}" --max-worker-restart 256 -v -rf --tb=line --timeout 300 --upstream-sample "$sample" \
+  --upstream-shard "${SHARD:-0}" \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
   --junitxml "$out/flash-attn-tests.xml" $([ "${TILES:-fixed}" = fixed ] && echo --upstream-fixed-tiles) "$@" > "$out/flash-attn-tests.log" 2>&1
 status=$?

@@ -7,6 +7,8 @@ Deselected, each counted in the summary line pytest prints:
   `flash_attn_gpu.fwd`), which are not part of its Python API;
 - with `--upstream-sample N`, all but one case in N of each test function, picked by a hash of the case's id (the
   same cases on every run), where the function has more than `--upstream-whole` cases in scope (those run whole).
+  `--upstream-shard K` (0 <= K < N) picks the cases whose hash leaves K: shards 0 to N - 1 partition every case in
+  scope (the small functions run whole in shard 0), so runs of successive shards cover the file between them.
 
 `--upstream-counts FILE` writes, per test function, the cases in scope and the cases run as JSON (under
 pytest-xdist the workers collect, and each writes the same file). `--upstream-failures FILE` appends one JSON line
@@ -33,6 +35,8 @@ _controller = False  # pytest-xdist's controller: its workers record their own f
 
 def pytest_addoption(parser):
     parser.addoption("--upstream-sample", type=int, default=1, help="run one case in N of each large test function")
+    parser.addoption("--upstream-shard", type=int, default=0, help="with --upstream-sample N, the shard K < N: the "
+                     "cases whose hash modulo N is K")
     parser.addoption("--upstream-whole", type=int, default=100, help="functions with at most this many cases in "
                      "scope run whole")
     parser.addoption("--upstream-counts", default=None, help="write the per-function counts to this JSON file")
@@ -49,14 +53,17 @@ def _in_scope(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     every, whole = config.getoption("--upstream-sample"), config.getoption("--upstream-whole")
+    shard = config.getoption("--upstream-shard")
+    if not 0 <= shard < every:
+        raise pytest.UsageError(f"--upstream-shard: expected 0 <= K < --upstream-sample ({every}), got {shard}")
     in_scope = [item for item in items if _in_scope(item)]
     per_function = Counter(item.originalname for item in in_scope)
-    kept = [item for item in in_scope if per_function[item.originalname] <= whole
-            or zlib.crc32(item.nodeid.encode()) % every == 0]
+    kept = [item for item in in_scope if (shard == 0 if per_function[item.originalname] <= whole
+                                          else zlib.crc32(item.nodeid.encode()) % every == shard)]
     config._upstream_counts = (per_function, Counter(item.originalname for item in kept))
     if config.getoption("--upstream-counts"):
         with open(config.getoption("--upstream-counts"), "w") as f:
-            json.dump({"sample_one_in": every, "whole_below": whole,
+            json.dump({"sample_one_in": every, "shard": shard, "whole_below": whole,
                        "functions": {name: {"in_scope": n, "run": config._upstream_counts[1][name]}
                                      for name, n in sorted(per_function.items())}}, f, indent=1)
     kept_ids = {id(item) for item in kept}

@@ -52,6 +52,20 @@ def test_a_sample_is_the_same_cases_on_every_run(tmp_path):
     assert first[0].stdout.splitlines()[-1].split(" in ")[0] == second[0].stdout.splitlines()[-1].split(" in ")[0]
 
 
+def test_the_shards_of_a_sample_partition_the_cases(tmp_path):
+    """Shards 0..N-1 of one in N run every case in scope exactly once between them: the big function's cases by their
+    hash, a small function (here, with --upstream-whole above its size) whole in shard 0 alone."""
+    runs = []
+    for shard in range(3):
+        done, counts, _ = _run(tmp_path, "--upstream-sample", "3", "--upstream-shard", str(shard), "-rA")
+        runs.append({line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith(("PASSED", "FAILED"))})
+    assert sum(map(len, runs)) == len(set().union(*runs)) == 300, [len(r) for r in runs]
+    assert all(len(r) > 50 for r in runs)
+    small = _run(tmp_path, "--upstream-sample", "3", "--upstream-shard", "1", "--upstream-whole", "1000")
+    assert small[1]["test_output"]["run"] == 0
+    assert _run(tmp_path, "--upstream-sample", "3", "--upstream-shard", "3")[0].returncode != 0
+
+
 LOST_CONTEXT = '''
 import os
 

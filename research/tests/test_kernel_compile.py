@@ -107,7 +107,7 @@ def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
 @pytest.mark.parametrize("group", [1, 4])
 def test_the_dkdv_program_adding_dq_with_atomics_compiles_for_sm90(head_dim, tma, group):
     """`KernelOptions.atomic_dq`: the dK/dV program's third product (dSᵀ·K) and its fp32 atomic adds compile, the
-    wgmmas stay asynchronous, and registers stay within the SM's (no GPU measured its speed yet)."""
+    wgmmas stay asynchronous, and registers stay within the SM's."""
     config = tuning.config(64, 128, 8, 3, TMA=tma) if head_dim == 128 else tuning.config(32, 128, 4, 3, TMA=tma)
     name = _name("fa2", head_dim=head_dim)
     consts = {**constexprs(name, "dkdv", head_dim, config), "GROUP": group, "ATOMIC_DQ": True}

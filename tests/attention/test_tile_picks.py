@@ -109,7 +109,8 @@ def test_a_picked_launch_takes_its_tile_and_an_unpicked_one_autotunes_and_record
 def test_loading_replaces_the_picks_and_leaves_out_other_versions_kernels():
     key = TilePicks.key("attn_fwd", "pointers", 64, torch.bfloat16, {})
     TILE_PICKS.record(key, tuning.config(128, 64, 8, 3))
-    old = TilePicks.key("_attn_fwd", "pointers", 64, torch.bfloat16, {"EMU": False})  # an earlier version's kernel
+    # an earlier version's pick, keyed by its function's name and compile-time switches this version does not have
+    old = TilePicks.key("_attn_fwd", "pointers", 64, torch.bfloat16, {"EMU": False})
     state = [{"key": list(key), "kwargs": {"BLOCK_M": 64, "BLOCK_N": 64}, "num_warps": 4, "num_stages": 3},
              {"key": list(old), "kwargs": {"BLOCK_M": 64, "BLOCK_N": 64}, "num_warps": 4, "num_stages": 3}]
     assert kernels.load_tile_picks(state) == 1
