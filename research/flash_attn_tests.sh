@@ -6,7 +6,8 @@
 # of each large test function (default 1: all). Writes OUT/flash-attn-tests.{log,xml}, OUT/cases.json and
 # OUT/failures.jsonl (each failure's error, as it happens). Arguments after SAMPLE go to pytest (say, -k to pick cases).
 # SHARD=K (0 <= K < SAMPLE) runs the K-th of SAMPLE disjoint shards instead of the first: shards 0..SAMPLE-1 cover
-# every case in scope between them, so calls that each fit a time limit can run the whole file.
+# every case in scope between them, so calls that each fit a time limit can run the whole file
+# (research/flash_attn_ledger.py adds up what the shards run so far have covered).
 # The kernels launch at fixed tiles, untuned (TILES=tuned: autotune each shape, as a user's first call does).
 #   research/flash_attn_tests.sh REPO OUT [SAMPLE [PYTEST_ARGS...]]   (WORKERS: pytest-xdist workers, default 16;
 #                                                     EXTRA_PYTHONPATH: where einops is, if not installed)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SHIM = Path(__file__).resolve().parents[1] / "flash_attn_shim"
 
 CASES = '''
@@ -64,6 +66,33 @@ def test_the_shards_of_a_sample_partition_the_cases(tmp_path):
     small = _run(tmp_path, "--upstream-sample", "3", "--upstream-shard", "1", "--upstream-whole", "1000")
     assert small[1]["test_output"]["run"] == 0
     assert _run(tmp_path, "--upstream-sample", "3", "--upstream-shard", "3")[0].returncode != 0
+
+
+def test_the_ledger_adds_up_the_shards(tmp_path):
+    """`research/flash_attn_ledger.py` over shards 0..2 of one in 3: every case in scope reported once, the one
+    failure among them; a shard run again counts once; a shard of another sample size is refused."""
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_ledger import ledger
+
+    (tmp_path / "test_upstream.py").write_text(CASES)
+    folders = []
+    for sample, shard in ((3, 0), (3, 1), (3, 2), (3, 1), (2, 0)):
+        folder = tmp_path / f"shard-{sample}-{shard}-{len(folders)}"
+        folder.mkdir()
+        subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-o", "addopts=", "-p",
+                        "upstream_cases", "-p", "no:cacheprovider", "--upstream-sample", str(sample),
+                        "--upstream-shard", str(shard), "--upstream-counts", str(folder / "cases.json"),
+                        "--junitxml", str(folder / "flash-attn-tests.xml")],
+                       cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                       text=True, timeout=300)
+        folders.append(folder)
+    whole = ledger(folders[:4])
+    assert whole["shards_run"] == [0, 1, 2] and whole["shards_left"] == []
+    assert whole["in_scope"] == whole["reported"] == 300
+    assert whole["totals"] == {"passed": 299, "failed": 1, "error": 0, "skipped": 0}
+    assert ledger(folders[:1])["shards_left"] == [1, 2]
+    with pytest.raises(ValueError, match="one in 2"):
+        ledger(folders)
 
 
 LOST_CONTEXT = '''

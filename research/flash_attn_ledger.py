@@ -1,0 +1,80 @@
+"""What the shards of flash-attn's test file have covered between them: per test function, the cases in scope and
+how many of them passed, failed, errored or were skipped, over every shard run so far.
+
+Each shard is one `research/flash_attn_tests.sh` output folder (its `cases.json` and `flash-attn-tests.xml`), run
+with the same SAMPLE N and its own SHARD K. A shard run twice counts once (its later run); shards of another N are
+refused, since they would overlap.
+
+    python research/flash_attn_ledger.py OUT/shard-0 OUT/shard-1 ... --out results/drop-ins/flash-attn-ledger.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import xml.etree.ElementTree as ElementTree
+from collections import Counter, defaultdict
+from pathlib import Path
+
+OUTCOMES = ("passed", "failed", "error", "skipped")
+
+
+def _outcome(case: ElementTree.Element) -> str:
+    for child, outcome in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+        if case.find(child) is not None:
+            return outcome
+    return "passed"
+
+
+def read_shard(folder: Path) -> dict:
+    """One shard's sample size, shard number, cases in scope per function and outcome per case id."""
+    cases = json.loads((folder / "cases.json").read_text())
+    outcomes = {}
+    for case in ElementTree.parse(folder / "flash-attn-tests.xml").iter("testcase"):
+        outcomes[f"{case.get('classname')}::{case.get('name')}"] = _outcome(case)
+    return {"sample": cases["sample_one_in"], "shard": cases.get("shard", 0),
+            "in_scope": {name: counts["in_scope"] for name, counts in cases["functions"].items()},
+            "outcomes": outcomes}
+
+
+def ledger(folders: list[Path]) -> dict:
+    shards = {}
+    for folder in folders:
+        shard = read_shard(folder)
+        if shards and shard["sample"] != next(iter(shards.values()))["sample"]:
+            raise ValueError(f"{folder}: shards of one in {shard['sample']} do not partition with the others' "
+                             f"one in {next(iter(shards.values()))['sample']}")
+        shards[shard["shard"]] = shard  # a shard run again: its later run counts
+    if not shards:
+        raise ValueError("folders: expected at least one shard's output folder")
+    in_scope = next(iter(shards.values()))["in_scope"]
+    per_function = defaultdict(Counter)
+    for shard in shards.values():
+        for case, outcome in shard["outcomes"].items():
+            per_function[case.split("::")[-1].split("[")[0]][outcome] += 1
+    sample = next(iter(shards.values()))["sample"]
+    functions = {name: {"in_scope": n, **{o: per_function[name][o] for o in OUTCOMES}} for name, n in in_scope.items()}
+    done = sum(sum(f[o] for o in OUTCOMES) for f in functions.values())
+    return {"sample_one_in": sample, "shards_run": sorted(shards), "shards_left": sorted(set(range(sample)) - set(shards)),
+            "in_scope": sum(in_scope.values()), "reported": done,
+            "totals": {o: sum(f[o] for f in functions.values()) for o in OUTCOMES}, "functions": functions}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", type=Path, help="shard output folders")
+    parser.add_argument("--out", type=Path, help="write the ledger as JSON here")
+    args = parser.parse_args()
+    result = ledger(args.folders)
+    print(f"{'function':45s} {'in scope':>9s} " + " ".join(f"{o:>8s}" for o in OUTCOMES))
+    for name, row in sorted(result["functions"].items()):
+        print(f"{name:45s} {row['in_scope']:9d} " + " ".join(f"{row[o]:8d}" for o in OUTCOMES))
+    print(f"shards run {len(result['shards_run'])} of {result['sample_one_in']}; cases reported "
+          f"{result['reported']} of {result['in_scope']} in scope; " +
+          ", ".join(f"{n} {o}" for o, n in result["totals"].items()))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
