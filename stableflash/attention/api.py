@@ -97,9 +97,14 @@ def _math_attention(q, k, v, scale, vis: Visibility, stats, mods: ScoreMods | No
     return p @ v, lse.detach()
 
 
+def triton_installed_for(q: torch.Tensor) -> bool:
+    """Whether Triton kernels can launch on q's device: CUDA, and Triton installed (looked up once, at import)."""
+    return q.is_cuda and _HAS_TRITON
+
+
 def triton_available(q: torch.Tensor) -> bool:
     """Whether the fused Triton kernels can run on these inputs (CUDA, Triton installed, head dim and dtype)."""
-    if not (q.is_cuda and _HAS_TRITON):
+    if not triton_installed_for(q):
         return False
     from stableflash.attention import triton as triton_backend
     return triton_backend.supports(q)

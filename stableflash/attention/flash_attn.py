@@ -19,11 +19,10 @@ along the tokens with cumulative lengths, and `flash_attn_with_kvcache` for deco
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import torch
 
-from stableflash.attention.api import flash_attention, triton_available, wants_gradient
+from stableflash.attention.api import flash_attention, triton_available, triton_installed_for, wants_gradient
 from stableflash.attention.precision import resolve
 from stableflash.attention.stabilize import check_stabilize
 
@@ -372,7 +371,7 @@ def _decodes_in_the_kernel(q, k_cache, v_cache, precision, stabilize, stats) -> 
     """Whether the decoding kernel (`triton.decode_attention`: split along the cache, pages read in place) runs this
     call: CUDA, production FA2 numerics without a stabilizer or statistics, a few query rows per key/value head,
     and no gradient wanted."""
-    if not q.is_cuda or importlib.util.find_spec("triton") is None or stats is not None:
+    if not triton_installed_for(q) or stats is not None:
         return False
     if wants_gradient(q, k_cache, v_cache):
         return False
