@@ -34,7 +34,9 @@ class KernelOptions:
     """The native backward without its dQ kernel: the dK/dV programs add each key tile's share of dQ into fp32 with
     atomics (flash-attn 2's way), so P and dP are computed once rather than twice. Off by default: atomics add in no
     fixed order, so dQ's last bits vary from run to run, and a resumed run is no longer bit-exact. The value in
-    force when a forward runs chooses its backward; flash-attn's calls with `deterministic=True` keep it off."""
+    force when a forward runs chooses its backward; flash-attn's calls with `deterministic=True` keep it off. The
+    same layout was slower than the default as a study (`docs/kernels.md`): fewer products, but one atomic per
+    element of dQ."""
     decode_kernel: bool = True
     """Calls of a few query rows per key/value head against a longer cache, with no gradient wanted (decoding): the
     split-KV kernel (`decoding.py`); off, the flash kernels, which give them one query tile per head."""
