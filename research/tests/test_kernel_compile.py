@@ -103,6 +103,9 @@ def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
     assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
 
 
+_GLOBAL_ATOMIC = re.compile(r"^\s*(@%p\d+\s+)?(red|atom)(\.\w+)*\.global\.", re.MULTILINE)
+
+
 @pytest.mark.parametrize("head_dim, tma", [(64, False), (128, False), (128, True)])
 @pytest.mark.parametrize("group", [1, 4])
 def test_the_dkdv_program_adding_dq_with_atomics_compiles_for_sm90(head_dim, tma, group):
@@ -110,11 +113,18 @@ def test_the_dkdv_program_adding_dq_with_atomics_compiles_for_sm90(head_dim, tma
     wgmmas stay asynchronous, and registers stay within the SM's."""
     config = tuning.config(64, 128, 8, 3, TMA=tma) if head_dim == 128 else tuning.config(32, 128, 4, 3, TMA=tma)
     name = _name("fa2", head_dim=head_dim)
-    consts = {**constexprs(name, "dkdv", head_dim, config), "GROUP": group, "ATOMIC_DQ": True}
-    compiled = compile_kernel(name, "dkdv", consts, config)
-    assert "red.global" in compiled.asm["ptx"] or "atom.global" in compiled.asm["ptx"]
-    assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
+    consts = {**constexprs(name, "dkdv", head_dim, config), "GROUP": group}
+    plain = compile_kernel(name, "dkdv", consts, config).asm["ptx"]
+    ptx = (compiled := compile_kernel(name, "dkdv", {**consts, "ATOMIC_DQ": True}, config)).asm["ptx"]
+    assert _GLOBAL_ATOMIC.search(ptx) and not _GLOBAL_ATOMIC.search(plain)
+    assert "wgmma.mma_async" in ptx and wgmma_serialization(compiled) is None
     assert 0 < resource_usage(compiled)["registers"] <= 255
+
+
+def test_the_global_atomic_pattern_tells_an_atomic_from_a_copy():
+    assert _GLOBAL_ATOMIC.search("\t@%p3 red.relaxed.gpu.global.add.f32 [%rd1], %r2;")
+    assert _GLOBAL_ATOMIC.search("  atom.global.gpu.acq_rel.add.f32 %r1, [%rd1], %r2;")
+    assert not _GLOBAL_ATOMIC.search("\t@%p1 cp.async.ca.shared.global [ %r1 + 0 ], [ %rd2 + 0 ], 0x10, %r3;")
 
 
 @pytest.mark.parametrize("head_dim, paged, uniform, softcap", [(128, False, True, False), (128, True, False, False),

@@ -1,7 +1,7 @@
 """The fused kernels against the reference, on fresh random inputs of odd sizes every run.
 
-Runs on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1,
-smaller sizes; `test_triton_interpreter.py` does that in CI). Skipped otherwise.
+Runs on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, which the test configuration
+sets where no GPU is present; smaller sizes).
 """
 
 import functools
