@@ -20,7 +20,8 @@ mkdir -p "$out"
 export FLASH_ATTN_REPO=$(cd "$repo" && pwd)
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
 python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
-  -n "${WORKERS:-16}" --max-worker-restart 256 -v -rf --tb=line --timeout 300 --upstream-sample "$sample" \
+  -n "${WORKERS:-16}" --max-worker-restart 256 -v -rf --tb=line --timeout 300 --durations 40 \
+  --upstream-sample "$sample" \
   --upstream-shard "${SHARD:-0}" \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
   --junitxml "$out/flash-attn-tests.xml" $([ "${TILES:-fixed}" = fixed ] && echo --upstream-fixed-tiles) "$@" > "$out/flash-attn-tests.log" 2>&1

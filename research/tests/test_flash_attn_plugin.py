@@ -90,9 +90,27 @@ def test_the_ledger_adds_up_the_shards(tmp_path):
     assert whole["shards_run"] == [0, 1, 2] and whole["shards_left"] == []
     assert whole["in_scope"] == whole["reported"] == 300
     assert whole["totals"] == {"passed": 299, "failed": 1, "error": 0, "skipped": 0}
+    assert whole["worker_seconds_left"] == 0
     assert ledger(folders[:1])["shards_left"] == [1, 2]
     with pytest.raises(ValueError, match="one in 2"):
         ledger(folders)
+
+
+def test_the_ledger_projects_the_time_of_the_cases_left(tmp_path):
+    """Each function's cases left at its mean time per reported case; a function with none reported is not guessed."""
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_ledger import ledger
+
+    (tmp_path / "cases.json").write_text(json.dumps({"sample_one_in": 2, "shard": 0, "functions": {
+        "test_output": {"in_scope": 5}, "test_kvcache": {"in_scope": 3}}}))
+    cases = [("test_output[0]", "1.5", ""), ("test_output[1]", "2.5", "<failure message='x'/>")]
+    (tmp_path / "flash-attn-tests.xml").write_text("<testsuites><testsuite>" + "".join(
+        f"<testcase classname='tests.test_flash_attn' name='{n}' time='{t}'>{body}</testcase>" for n, t, body in cases)
+        + "</testsuite></testsuites>")
+    result = ledger([tmp_path])
+    assert result["functions"]["test_output"]["worker_seconds"] == 4.0
+    assert result["worker_seconds"] == 4.0 and result["worker_seconds_left"] == 3 * 2.0
+    assert result["totals"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 0}
 
 
 LOST_CONTEXT = '''
