@@ -263,7 +263,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     keys, values = _gathered_cache(k_cache, v_cache, rows, block_table, longest + new)
     common = dict(causal=causal, scale=softmax_scale, window=window, layout="bthd", softcap=softcap,
                   precision=precision, stabilize=stabilize, stats=stats, backend=backend, return_lse=True)
-    if cache_leftpad is None and bool((seen == seen[0]).all()):  # one length: one call, causal to the cache's end
+    if keys.shape[1] == 0:  # no sequence holds a key
+        out, lse = _seeing_nothing(q)
+    elif cache_leftpad is None and bool((seen == seen[0]).all()):  # one length: one call, causal to the cache's end
         out, lse = flash_attention(q, keys, values, **common)
     elif (Tq == 1 or not causal) and window == (-1, -1):  # the lengths as key padding: one call
         positions = torch.arange(keys.shape[1], device=q.device)[None, :]
@@ -311,11 +313,14 @@ class _Rotary:
         return torch.cat((rotated.to(x.dtype), x[..., r:]), dim=-1)
 
 
+def _seeing_nothing(q):
+    """Queries q (B, Tq, H, D) without a key to see: O = 0 and lse = -inf (B, H, Tq), as a fully masked row elsewhere."""
+    B, Tq, H, _ = q.shape
+    return torch.zeros_like(q), torch.full((B, H, Tq), float("-inf"), device=q.device)
+
+
 def _one_sequence(q, keys, values, common):
-    if keys.shape[1] == 0:  # no key to see: O = 0, lse = -inf, as a fully masked row elsewhere
-        B, Tq, H, _ = q.shape
-        return torch.zeros_like(q), torch.full((B, H, Tq), float("-inf"), device=q.device)
-    return flash_attention(q, keys, values, **common)
+    return _seeing_nothing(q) if keys.shape[1] == 0 else flash_attention(q, keys, values, **common)
 
 
 def _cache_starts(cache_leftpad, batch: int, seen: torch.Tensor, device) -> torch.Tensor:

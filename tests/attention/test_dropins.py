@@ -219,6 +219,21 @@ def test_kvcache_left_padding_starts_each_sequence_at_its_own_first_key():
                                 **EXACT)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "pages"])
+def test_kvcache_with_no_key_in_any_sequence_gives_zeros_and_minus_infinity(paged):
+    """Every sequence empty (cache_seqlens 0 and no new keys), through each of the call's routes: what one empty
+    sequence among others gives, not an error about a cache of length 0."""
+    H, D = 2, 8
+    k_cache, v_cache = (_randn(4, 4, H, D, seed=s) for s in (21, 22))  # 4 pages of 4, or 4 rows of 4
+    table = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32) if paged else None
+    for causal, Tq, window in ((True, 1, (-1, -1)), (False, 2, (-1, -1)), (True, 3, (2, 0))):
+        q = _randn(2, Tq, H, D, seed=23)
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 0]), block_table=table,
+                                           causal=causal, window_size=window, return_softmax_lse=True, **EXACT)
+        assert (out == 0).all() and out.shape == q.shape, (causal, Tq)
+        assert lse.shape == (2, H, Tq) and (lse == float("-inf")).all(), (causal, Tq)
+
+
 def test_kvcache_positions_past_the_cache_are_an_error_flash_attn_code_catches():
     """flash-attn raises a RuntimeError here and this library a ValueError: the error is both."""
     pool = torch.zeros(4, 8, 1, 4, dtype=torch.float64)
