@@ -116,7 +116,7 @@ def explain_add(a: float, b: float, fmt: str | Format = "bf16", operand_format: 
                 f"{name}: {value!r} is not exactly representable in {operand_format.name}") from None
         values.append(Fraction(float(value)))
     fa, fb = values
-    op_a, op_b = _operand(fa, operand_format), _operand(fb, operand_format)
+    op_a, op_b = _operand(float(a), operand_format), _operand(float(b), operand_format)  # floats keep a zero's sign
 
     # -- 1. alignment: both significands on the larger exponent's scale --
     big_exp = max(op_a.exponent, op_b.exponent)
@@ -129,11 +129,12 @@ def explain_add(a: float, b: float, fmt: str | Format = "bf16", operand_format: 
     exact = fa + fb
     total = _binary(abs(exact), big_exp, frac_width, exact < 0) if exact != 0 else "0"
 
-    if exact == 0:
-        zero_bits = format(fmt.encode(0.0), f"0{fmt.total_bits}b")
+    if exact == 0:  # IEEE: -0 only as (-0) + (-0); x + (-x) is +0 under round to nearest
+        zero = -0.0 if op_a.sign == op_b.sign == "1" else 0.0
+        zero_bits = format(fmt.encode(zero), f"0{fmt.total_bits}b")
         return AdditionExplanation(op_a, op_b, operand_format.name, fmt.name, shift, aligned_a, aligned_b,
                                    total, False, "0", 0, "0" * fmt.fraction_bits, 0, 0, 0, False,
-                                   "exact zero", 0.0, zero_bits, 0.0, 0.0)
+                                   "exact zero", zero, zero_bits, 0.0, 0.0)
 
     # -- 3. normalisation: leading one back to the units place --
     magnitude = abs(exact)
@@ -172,8 +173,8 @@ def explain_add(a: float, b: float, fmt: str | Format = "bf16", operand_format: 
         if not fmt.has_inf:
             result = math.nan
         decision += f"; exceeds {fmt.name}'s largest finite value, overflow"
-    else:
-        result = float(-result_magnitude if negative else result_magnitude)
+    else:  # a negative sum that rounds to zero keeps its sign: -0
+        result = -float(result_magnitude) if negative else float(result_magnitude)
     result_bits = format(fmt.encode(result), f"0{fmt.total_bits}b")
     error = float(Fraction(result) - exact) if math.isfinite(result) else result
     return AdditionExplanation(

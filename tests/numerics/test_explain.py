@@ -35,6 +35,18 @@ def test_agrees_with_torch_on_random_pairs(fmt):
         assert e.error == float(Fraction(e.result) - exact)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_a_zero_result_carries_ieees_sign(fmt):
+    """A negative sum that underflows to zero is -0, (-0) + (-0) is -0, and x + (-x) is +0, as torch's casts and
+    adds give them."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+    for a, b in ((-(2.0**-149), 0.0), (-(2.0**-140), -(2.0**-149)), (-0.0, -0.0), (1.5, -1.5), (-0.0, 0.0)):
+        e = explain_add(a, b, fmt)
+        expected = (torch.tensor(a, dtype=torch.float64) + b).to(dtype)  # exact in fp64, then one rounding
+        assert e.result == 0.0 and math.copysign(1.0, e.result) == math.copysign(1.0, expected.item()), (a, b)
+        assert e.result_bits == format(expected.view(torch.int16).item() & 0xFFFF, "016b"), (a, b)
+
+
 def test_zero_sum_and_bad_input():
     assert explain_add(1.5, -1.5).result == 0.0
     with pytest.raises(ValueError, match="a: .* not exactly representable in fp32"):
