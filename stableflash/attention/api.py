@@ -32,11 +32,11 @@ def _check_inputs(q, k, v):
             raise ValueError(f"{name}: expected rank 4 (B, H, T, D), got shape {tuple(t.shape)}")
         if t.dtype not in _FLOATS:
             raise TypeError(f"{name}: expected dtype float16, bfloat16, float32 or float64, got {t.dtype}")
-    if v.shape != k.shape:
-        raise ValueError(f"v: shape {tuple(v.shape)} does not match k's {tuple(k.shape)}")
     B, H, Tq, D = q.shape
     if k.shape[0] != B or k.shape[-1] != D:
         raise ValueError(f"k: expected batch {B} and head dim {D} as q's, got shape {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} does not match k's {tuple(k.shape)}")
     if k.shape[1] < 1 or H % k.shape[1]:
         raise ValueError(f"k: its {k.shape[1]} heads must divide q's {H} (grouped-query attention)")
     for name, t in (("k", k), ("v", v)):

@@ -30,7 +30,8 @@ def round_to(
     """Round every element of `x` to the nearest value of `fmt` under `mode`.
 
     - `"nearest"`: round to nearest, ties to even (IEEE default); overflow goes
-      to ±inf (NaN for fp8 e4m3, which has no infinity).
+      to ±inf (NaN for fp8 e4m3, which has no infinity: OCP's non-saturating
+      mode, where torch's `.to(torch.float8_e4m3fn)` saturates at ±448).
     - `"toward_zero"`: truncate; overflow saturates at the largest finite value.
     - `"up"` / `"down"`: toward +inf / -inf (directed rounding; overflow on
       the rounded side goes to infinity, on the other saturates).

@@ -27,6 +27,8 @@ def _qkv(*shape, dtype=torch.float32):
     (lambda q, k, v: flash_attention(q, k, v, backend="math", precision="paper"), ValueError, "precision: backend 'math'"),
     (lambda q, k, v: flash_attention(q, k, v, backend="sdpa", stats=AttentionStats(2)), ValueError, "backend 'sdpa' gives none"),
     (lambda q, k, v: flash_attention(q, [1], v), TypeError, "k: expected a torch.Tensor"),
+    (lambda q, k, v: flash_attention(q, k[..., :8], v[..., :8]), ValueError, "k: expected batch 1 and head dim 16"),
+    (lambda q, k, v: flash_attention(q, k[..., :8], v), ValueError, "k: expected batch 1 and head dim 16"),
 ])
 def test_bad_input_names_the_argument(call, error, match):
     q, k, v = _qkv(1, 2, 8, 16)
