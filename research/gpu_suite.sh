@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores).
 #   research/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf|
-#                                 decode|atomic-dq|breakdown]...
+#                                 decode|atomic-dq|breakdown|heads]...
 #   (default: tests bench)
 # train: the compiled training step's throughput, sdpa against our kernels, six interleaved rounds
 # profile: a profile of the compiled training step
@@ -15,6 +15,7 @@
 # decode: one decoding step's attention (the decoding kernel, paged, the flash kernels, SDPA) at five cache sizes
 # atomic-dq: SFA's backward with dQ added by the dK/dV programs against the default and cuDNN, at the benchmark's
 #   shapes; breakdown: the per-kernel device time of both against cuDNN's (research/kernel_breakdown.py)
+# heads: head dims 80 and 96 (run zero-padded at 128) against 128, ours and SDPA's (docs/speed-predictions.md)
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
 set -u
 out=${1:?usage: research/gpu_suite.sh OUTDIR [tests|bench|train]...}
@@ -67,6 +68,9 @@ for part in $parts; do
     atomic-dq) python3 benchmarks/attention.py --modes fwdbwd,fwdbwd_graph --out "$out/attention-atomic-dq.json" \
                  --impls stableflash,stableflash-atomic-dq,stableflash-sfa,stableflash-sfa-atomic-dq,sdpa-cudnn 2>&1 \
                  | grep -v Warning | tee "$out/attention-atomic-dq.log" ;;
+    heads) python3 benchmarks/attention.py --impls stableflash,stableflash-sfa,sdpa-cudnn,sdpa-flash \
+             --modes fwdbwd,fwdbwd_graph --shapes "4,32,2048,80;4,32,2048,96;4,32,2048,128" \
+             --out "$out/attention-heads.json" 2>&1 | grep -v Warning | tee "$out/attention-heads.log" ;;
     breakdown) python3 research/kernel_breakdown.py --out "$out/kernel-breakdown.json" 2>&1 | grep -v Warning \
                  | tee "$out/kernel-breakdown.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;

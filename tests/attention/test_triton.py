@@ -1045,3 +1045,51 @@ def test_ops_trace_without_graph_breaks(layout, precision, D):
     compiled_grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
     for a, b in zip(eager_grads, compiled_grads):
         assert torch.equal(a, b)
+
+
+NARROW_HEADS = {  # head dim, kernels' width: padded to the next of `HEAD_DIMS`
+    "D 8": (8, 16), "D 24": (24, 32), "D 40, GQA": (40, 64),
+} if INTERPRET else {"D 80": (80, 128), "D 96, GQA": (96, 128), "D 40": (40, 64)}
+
+
+@pytest.mark.parametrize("stabilize", [None, SFA()], ids=["plain", "sfa"])
+@pytest.mark.parametrize("heads", list(NARROW_HEADS))
+def test_head_dims_between_the_kernels_run_zero_padded_and_exact(heads, stabilize):
+    """A head dim the kernels are not compiled for runs at the next one, its inputs zero-padded: the same bits as a
+    call on inputs padded by hand (zero columns change no kept value), outputs and gradients in the inputs' memory
+    order and within twice the reference's error against fp64; the statistics count as at the padded width."""
+    from stableflash.attention import triton as backend
+
+    D, width = NARROW_HEADS[heads]
+    kv_heads = 2 if "GQA" in heads else 4
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    # a model's heads: (B, T, H, D) in memory, viewed as (B, H, T, D)
+    q = torch.randn(2, 45, 4, D, generator=g).to(torch.bfloat16).to(DEVICE).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, 45, kv_heads, D, generator=g).to(torch.bfloat16).to(DEVICE).transpose(1, 2)
+            .requires_grad_() for _ in range(2))
+    dout = torch.randn(2, 4, 45, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    assert backend.supports(q) and backend.kernel_head_dim(D) == width
+    stats, padded_stats = (AttentionStats(4, eps=SFA().eps) for _ in range(2))
+    kw = dict(causal=True, scale=D**-0.5, policy=resolve("fa2"), stabilize=stabilize)
+    ours = _run(lambda q, k, v: backend.attention(q, k, v, stats=stats, **kw), q, k, v, dout)
+    assert ours[0].transpose(1, 2).is_contiguous() and ours[1].transpose(1, 2).is_contiguous()
+
+    def by_hand(q, k, v):
+        wide = [torch.nn.functional.pad(t, (0, width - D)) for t in (q, k, v)]
+        return backend.attention(*wide, stats=padded_stats, **kw)[..., :D]
+
+    for name, a, b in zip(["out", "dq", "dk", "dv"], ours, _run(by_hand, q, k, v, dout)):
+        assert torch.equal(a, b), (name, f"seed {seed}")
+    assert torch.equal(stats.repeated_max_rows, padded_stats.repeated_max_rows), f"seed {seed}"
+    _assert_within_twice_the_references_error_against_fp64(ours, q, k, v, dout, seed, stabilize, causal=True)
+
+
+def test_head_dims_above_the_widest_kernel_are_refused_by_name():
+    from stableflash.attention import triton as backend
+
+    q = torch.randn(1, 2, 8, 160, dtype=torch.bfloat16)
+    assert not backend.supports(q) and backend.kernel_head_dim(160) is None and backend.kernel_head_dim(0) is None
+    with pytest.raises(ValueError, match="q: the triton backend takes head dims up to 128, got 160"):
+        backend.attention(q, q, q, causal=True, scale=0.1, policy=resolve("fa2"))

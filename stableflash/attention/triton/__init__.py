@@ -22,16 +22,24 @@ from stableflash.attention.precision import Precision, resolve
 from stableflash.attention.reference import split_heads
 from stableflash.attention.stats import AttentionStats
 from stableflash.attention.triton.options import KernelOptions, current, kernel_options, set_kernel_options
-from stableflash.attention.triton.spec import HEAD_DIMS, INPUT_DTYPES, spec_name, spec_named, unsupported_reason
+from stableflash.attention.triton.spec import (
+    HEAD_DIMS,
+    INPUT_DTYPES,
+    kernel_head_dim,
+    spec_name,
+    spec_named,
+    unsupported_reason,
+)
 
 __all__ = ["attention", "supports", "supports_policy", "supports_masks", "supports_softcap", "decode_attention",
-           "supports_decode", "pick_tiles", "tile_picks_state_dict", "load_tile_picks", "HEAD_DIMS", "KernelOptions",
-           "kernel_options", "set_kernel_options"]
+           "supports_decode", "pick_tiles", "tile_picks_state_dict", "load_tile_picks", "HEAD_DIMS", "kernel_head_dim",
+           "KernelOptions", "kernel_options", "set_kernel_options"]
 
 
 def supports(q: torch.Tensor) -> bool:
-    """Whether the kernels take inputs shaped and typed like `q` (head dim and dtype)."""
-    return q.shape[-1] in HEAD_DIMS and q.dtype in INPUT_DTYPES
+    """Whether the kernels take inputs shaped and typed like `q`: head dims up to 128 (those between `HEAD_DIMS`
+    zero-padded to the next), fp16 or bf16."""
+    return kernel_head_dim(q.shape[-1]) is not None and q.dtype in INPUT_DTYPES
 
 
 def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -41,20 +49,22 @@ def supports_policy(policy: Precision, stabilize, dtype: torch.dtype = torch.bfl
 
 def supports_softcap(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernels cap scores (softcap) for this call: production FA2 numerics (the native kernels)."""
-    if not (head_dim in HEAD_DIMS and dtype in INPUT_DTYPES and policy.head_override is None
+    width = kernel_head_dim(head_dim)
+    if not (width is not None and dtype in INPUT_DTYPES and policy.head_override is None
             and supports_policy(policy, stabilize, dtype)):
         return False
-    return spec_named(spec_name(policy, stabilize, dtype, head_dim, 1)).native
+    return spec_named(spec_name(policy, stabilize, dtype, width, 1)).native
 
 
 def supports_masks(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, packed: bool = False) -> bool:
     """Whether the kernels run Tk != Tq, windows and key padding under `policy` (any policy they run, without a
     per-head override), and with `packed` a packed batch of sequences in one call (production FA2 numerics only:
     the reference has no packed form to be bit-equal to, so emulated policies take one call per sequence)."""
-    if not (head_dim in HEAD_DIMS and dtype in INPUT_DTYPES and policy.head_override is None
+    width = kernel_head_dim(head_dim)
+    if not (width is not None and dtype in INPUT_DTYPES and policy.head_override is None
             and supports_policy(policy, stabilize, dtype)):
         return False
-    return not packed or spec_named(spec_name(policy, stabilize, dtype, head_dim, 1)).native
+    return not packed or spec_named(spec_name(policy, stabilize, dtype, width, 1)).native
 
 
 def supports_decode(policy: Precision, stabilize, dtype: torch.dtype, head_dim: int, rows: int) -> bool:
@@ -124,7 +134,8 @@ def pick_tiles(shape: tuple[int, int, int, int], *, precision="fa2", stabilize=N
     from stableflash.attention.triton.tuning import TILE_PICKS
 
     B, H, T, D = shape
-    if D not in HEAD_DIMS or not supports_policy(resolve(precision), stabilize, dtype):
+    D = kernel_head_dim(D)  # what the kernels launch at; a narrower head is padded to it
+    if D is None or not supports_policy(resolve(precision), stabilize, dtype):
         return len(TILE_PICKS)
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, dtype=dtype, device=device, generator=generator).transpose(1, 2)
@@ -158,10 +169,31 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
                                                                                    q.shape[-1]):
         raise ValueError("softcap: the 'triton' backend caps scores only under production FA2 numerics without a "
                          "per-head policy override; use backend='reference' or 'auto'")
+    head_dim, width = q.shape[-1], kernel_head_dim(q.shape[-1])
+    if width is None:
+        raise ValueError(f"q: the triton backend takes head dims up to {HEAD_DIMS[-1]}, got {head_dim}")
+    if width != head_dim:
+        q, k, v = (_widened(t, width) for t in (q, k, v))
     out, lse = split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
         q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads, band=band,
         softcap=float(softcap)))
+    if width != head_dim:
+        out = _narrowed(out, head_dim)
     return (out, lse) if return_lse else out
+
+
+def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t (B, H, T, D) zero-padded to head dim `width`, in t's memory order (a model's heads stay (B, T, H, ·))."""
+    if t.stride(1) < t.stride(2):
+        return torch.nn.functional.pad(t.transpose(1, 2), (0, width - t.shape[-1])).transpose(1, 2)
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+def _narrowed(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The first `head_dim` columns of t (B, H, T, ·), dense in t's memory order, as an unpadded call returns them."""
+    if t.stride(1) < t.stride(2):
+        return t.transpose(1, 2)[..., :head_dim].contiguous().transpose(1, 2)
+    return t[..., :head_dim].contiguous()
 
 
 def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band, softcap):

@@ -30,6 +30,7 @@ from stableflash.numerics.formats import get_format
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
+"""The head dims the kernels compile for; a smaller one runs zero-padded to the next (`kernel_head_dim`)."""
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 PHYSICAL_TILE = 64  # emulated logical tiles are built from tiles of this size
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -249,6 +250,12 @@ def _spec_name(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, h
 
 
 @functools.lru_cache(maxsize=1024)
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The kernels' head dim for inputs of `head_dim`: the smallest of `HEAD_DIMS` that holds it (None above 128).
+    Zero columns change no score, probability or output column that is kept, as flash-attn pads its own head dims."""
+    return next((width for width in HEAD_DIMS if width >= head_dim), None) if head_dim >= 1 else None
+
+
 def _build(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
     policy, stabilize = Precision.from_key(policy_key), stabilizers.from_key(stabilize_key)
     if head_dim not in HEAD_DIMS:
