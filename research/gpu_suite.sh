@@ -15,7 +15,8 @@
 # decode: one decoding step's attention (the decoding kernel, paged, the flash kernels, SDPA) at five cache sizes
 # atomic-dq: SFA's backward with dQ added by the dK/dV programs against the default and cuDNN, at the benchmark's
 #   shapes; breakdown: the per-kernel device time of both against cuDNN's (research/kernel_breakdown.py)
-# heads: head dims 80 and 96 (run zero-padded at 128) against 128, ours and SDPA's (docs/speed-predictions.md)
+# heads: head dims 80, 96 (zero-padded to 128), 160 (to 256) and 256 against 128, ours and SDPA's
+#   (docs/speed-predictions.md)
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
 set -u
 out=${1:?usage: research/gpu_suite.sh OUTDIR [tests|bench|train]...}
@@ -69,7 +70,8 @@ for part in $parts; do
                  --impls stableflash,stableflash-atomic-dq,stableflash-sfa,stableflash-sfa-atomic-dq,sdpa-cudnn 2>&1 \
                  | grep -v Warning | tee "$out/attention-atomic-dq.log" ;;
     heads) python3 benchmarks/attention.py --impls stableflash,stableflash-sfa,sdpa-cudnn,sdpa-flash \
-             --modes fwdbwd,fwdbwd_graph --shapes "4,32,2048,80;4,32,2048,96;4,32,2048,128" \
+             --modes fwdbwd,fwdbwd_graph \
+             --shapes "4,32,2048,80;4,32,2048,96;4,32,2048,128;4,16,2048,160;4,16,2048,256" \
              --out "$out/attention-heads.json" 2>&1 | grep -v Warning | tee "$out/attention-heads.log" ;;
     breakdown) python3 research/kernel_breakdown.py --out "$out/kernel-breakdown.json" 2>&1 | grep -v Warning \
                  | tee "$out/kernel-breakdown.log" ;;

@@ -73,6 +73,43 @@ def test_the_masked_native_kernels_compile_for_sm90(kernel, config, tma, packed,
     assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
 
 
+_SM90_SHARED_BYTES = 232_448
+_WIDE = [("fwd", c) for c in tuning.WIDE_FWD_CONFIGS] + [("dq", c) for c in tuning.WIDE_DQ_CONFIGS] + \
+    [("dkdv", c) for c in tuning.WIDE_DKDV_CONFIGS]
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "masked GQA"])
+@pytest.mark.parametrize("kernel, config", _WIDE, ids=[f"{k} {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}"
+                                                      for k, c in _WIDE])
+def test_every_wide_head_candidate_fits_an_h200(kernel, config, masked):
+    """D = 256's candidates (`tuning.WIDE_*_CONFIGS`), SFA with the statistics, causal or in the masked form with a
+    softcap and a GQA group of 4 (Gemma 2's window, cap and groups): within an H200's shared memory and registers,
+    spilling at most 512 bytes, wgmmas asynchronous. A candidate that did not fit would fail at launch, and the first
+    of each list launches untuned."""
+    config = triton.Config({**config.kwargs, "TMA": False}, num_warps=config.num_warps, num_stages=config.num_stages)
+    name = _name("fa2", SFA(), head_dim=256)
+    consts = constexprs(name, kernel, 256, config, causal=not masked, stats=kernel == "fwd")
+    if masked:
+        consts.update(MASK=True, PAD=True, SOFTCAP=True, **({"GROUP": 4} if kernel == "dkdv" else {}))
+    usage = resource_usage(compiled := compile_kernel(name, kernel, consts, config))
+    assert usage["shared_bytes"] <= _SM90_SHARED_BYTES and 0 < usage["registers"] <= 255, usage
+    assert usage["spill_stack_bytes"] <= 512, usage
+    assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "delta_dpp", "dq", "dkdv"])
+@pytest.mark.parametrize("preset", ["paper+dp_p", "fp32"])
+def test_the_emulation_kernels_fit_an_h200_at_head_dim_256(preset, kernel):
+    """The emulation kernels' one tile at D = 256 (`tuning.emulation_config`: 32x32) fits shared memory and registers,
+    bf16 and fp32 operands alike (they spill there; these kernels are for exactness, not speed)."""
+    name = _name(preset, head_dim=256)
+    if kernel == "delta_dpp" and preset == "fp32":
+        pytest.skip("fp32 computes δ in the dQ kernel")
+    config = tuning.emulation_config(preset == "fp32", 256)
+    usage = resource_usage(compile_kernel(name, kernel, constexprs(name, kernel, 256, config), config))
+    assert usage["shared_bytes"] <= _SM90_SHARED_BYTES and 0 < usage["registers"] <= 255, usage
+
+
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("kernel, config", [("fwd", tuning.FWD_CONFIGS[0]), ("dq", tuning.DQ_CONFIGS[0]),
                                             ("dkdv", tuning.DKDV_CONFIGS[0])])

@@ -27,6 +27,7 @@ from stableflash.attention.triton.tuning import (
     NATIVE_FWD,
     TILE_PICKS,
     TMA_MIN_HEAD_DIM,
+    WIDE_HEAD_DIM,
     Tunable,
     emulation_config,
 )
@@ -52,6 +53,7 @@ def _launch_tuned(tunable: Tunable, grid, args: tuple, meta: dict, *, T: int, dt
     if INTERPRET:
         _launch(tunable.kernel, grid, args, {**meta, "TMA": False}, INTERPRETER_CONFIG)
         return
+    tunable = tunable.at(meta["HEAD_DIM"])
     key = TILE_PICKS.key(tunable.name, "either" if either else "pointers", T, dtype, meta)
     picked = TILE_PICKS.get(key)
     if picked is not None:
@@ -179,7 +181,7 @@ def _last_dim_contiguous(t):
 
 def _tma_candidates(spec: KernelSpec, head_dim: int, *streamed: torch.Tensor) -> bool:
     """Whether the autotuner also tries TMA loads: native kernels on a GPU, at head dims where TMA measured faster."""
-    return (spec.native and not INTERPRET and options.current().tma and head_dim >= TMA_MIN_HEAD_DIM
+    return (spec.native and not INTERPRET and options.current().tma and TMA_MIN_HEAD_DIM <= head_dim < WIDE_HEAD_DIM
             and tma_streamable(*streamed))
 
 

@@ -29,7 +29,7 @@ from stableflash.attention.stats import tail_limit
 from stableflash.numerics.formats import get_format
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
 """The head dims the kernels compile for; a smaller one runs zero-padded to the next (`kernel_head_dim`)."""
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 PHYSICAL_TILE = 64  # emulated logical tiles are built from tiles of this size
@@ -251,7 +251,7 @@ def _spec_name(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, h
 
 @functools.lru_cache(maxsize=1024)
 def kernel_head_dim(head_dim: int) -> int | None:
-    """The kernels' head dim for inputs of `head_dim`: the smallest of `HEAD_DIMS` that holds it (None above 128).
+    """The kernels' head dim for inputs of `head_dim`: the smallest of `HEAD_DIMS` that holds it (None above 256).
     Zero columns change no score, probability or output column that is kept, as flash-attn pads its own head dims."""
     return next((width for width in HEAD_DIMS if width >= head_dim), None) if head_dim >= 1 else None
 
@@ -259,7 +259,8 @@ def kernel_head_dim(head_dim: int) -> int | None:
 def _build(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
     policy, stabilize = Precision.from_key(policy_key), stabilizers.from_key(stabilize_key)
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"q: the triton backend supports head dims {HEAD_DIMS}, got {head_dim}")
+        raise ValueError(f"q: the triton kernels compile head dims {HEAD_DIMS} (`attention` pads the others up to "
+                         f"one), got {head_dim}")
     reason = unsupported_reason(policy, stabilize, dtype)
     if reason is not None:
         raise ValueError(f"precision: the triton backend cannot run policy {policy.name!r}: {reason}; "

@@ -20,7 +20,10 @@ from stableflash.attention.triton.spec import INTERPRET, PHYSICAL_TILE
 
 TMA_MIN_HEAD_DIM = 128
 """The head dims from which TMA loads are among the candidates: faster there, slower at D = 64
-(results/kernel-variants/)."""
+(results/kernel-variants/). Not at `WIDE_HEAD_DIM`, where they were never measured."""
+WIDE_HEAD_DIM = 256
+"""The head dim whose candidates are its own (`WIDE_*_CONFIGS`): 8 warps and two stages, the tiles whose shared
+memory fits an H200's and whose registers spill little there (compiled for sm_90: research/tests)."""
 
 
 def config(block_m: int, block_n: int, warps: int, stages: int, **extra) -> triton.Config:
@@ -34,14 +37,18 @@ DKDV_CONFIGS = [config(32, 128, 4, 3), config(32, 128, 4, 5), config(64, 128, 8,
                 config(64, 64, 4, 3), config(32, 64, 4, 3)]
 DQ_CONFIGS = [config(128, 32, 4, 3), config(128, 32, 4, 5), config(128, 64, 8, 3), config(128, 64, 4, 3),
               config(64, 64, 4, 3), config(64, 32, 4, 3)]
+WIDE_FWD_CONFIGS = [config(64, 64, 8, 2), config(128, 64, 8, 2), config(128, 32, 8, 2)]
+WIDE_DKDV_CONFIGS = [config(32, 64, 8, 2), config(64, 64, 8, 2)]
+WIDE_DQ_CONFIGS = [config(64, 32, 8, 2), config(128, 32, 8, 2), config(64, 64, 8, 2)]
 INTERPRETER_CONFIG = config(64, 64, 4, 2)
 DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=1)  # δ alone: one pass over dO and O
 
 
 def emulation_config(ops_fp32: bool, head_dim: int) -> triton.Config:
     """The one tile of the emulation kernels. fp32 matmul operands double the shared memory: at D = 128 a 64x64
-    dK/dV tile asks 246,272 bytes, above an H200's 232,448."""
-    if ops_fp32 and head_dim >= 128:
+    dK/dV tile asks 246,272 bytes, above an H200's 232,448; at D = 256 a 64x64 tile spills 0.4-2.3 KB even with
+    bf16 operands."""
+    if head_dim >= WIDE_HEAD_DIM or ops_fp32 and head_dim >= 128:
         return config(PHYSICAL_TILE // 2, PHYSICAL_TILE // 2, 4, 2)
     return config(PHYSICAL_TILE, PHYSICAL_TILE, 4, 2)
 
@@ -64,13 +71,19 @@ class Tunable(NamedTuple):
     either: triton.runtime.Autotuner | None
     first: triton.Config
     """The first candidate with pointer loads: the tile launched untuned (`KernelOptions.autotune` off)."""
+    wide: Tunable | None = None
+    """The same kernel over its candidates at `WIDE_HEAD_DIM` (`at`)."""
+
+    def at(self, head_dim: int) -> Tunable:
+        """This kernel's tunable for a head dim: the wide one's candidates at `WIDE_HEAD_DIM`."""
+        return self.wide if head_dim >= WIDE_HEAD_DIM and self.wide is not None else self
 
     @classmethod
-    def of(cls, name, kernel, configs, key, restore=(), reset=()) -> Tunable:
+    def of(cls, name, kernel, configs, key, restore=(), reset=(), wide_configs=None) -> Tunable:
         first = triton.Config({**configs[0].kwargs, "TMA": False}, num_warps=configs[0].num_warps,
                               num_stages=configs[0].num_stages)
         if INTERPRET:
-            return cls(name, kernel, tuple(key), None, None, first)
+            return cls(name, kernel, tuple(key), None, None, first)  # one tile for every head dim there
 
         def tuned(candidates):
             # kernels that add with atomics: the statistics into the caller's running totals (`restore`: autotuning's
@@ -81,8 +94,9 @@ class Tunable(NamedTuple):
         def with_tma(c, tma):
             return triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages)
 
+        wide = cls.of(name, kernel, wide_configs, key, restore, reset) if wide_configs else None
         return cls(name, kernel, tuple(key), tuned([with_tma(c, False) for c in configs]),
-                   tuned([with_tma(c, tma) for c in configs for tma in (False, True)]), first)
+                   tuned([with_tma(c, tma) for c in configs for tma in (False, True)]), first, wide)
 
 
 # Each key names the compile-time switches that change the work per program, so that a masked or grouped launch is
@@ -90,10 +104,13 @@ class Tunable(NamedTuple):
 # and a grouped dK/dV program does its group's work (a quarter of the programs with 4 query heads per key/value head).
 BAND_SWITCHES = ("MASK", "PAD", "SEG")
 NATIVE_FWD = Tunable.of("attn_fwd", native._attn_fwd, FWD_CONFIGS,
-                        ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *BAND_SWITCHES), restore=("STAT_COUNTS",))
-NATIVE_DQ = Tunable.of("attn_bwd_dq", native._attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES))
+                        ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *BAND_SWITCHES), restore=("STAT_COUNTS",),
+                        wide_configs=WIDE_FWD_CONFIGS)
+NATIVE_DQ = Tunable.of("attn_bwd_dq", native._attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES),
+                       wide_configs=WIDE_DQ_CONFIGS)
 NATIVE_DKDV = Tunable.of("attn_bwd_dkdv", native._attn_bwd_dkdv, DKDV_CONFIGS,
-                         ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES, "GROUP", "ATOMIC_DQ"), reset=("DQ_ACC",))
+                         ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES, "GROUP", "ATOMIC_DQ"), reset=("DQ_ACC",),
+                         wide_configs=WIDE_DKDV_CONFIGS)
 
 
 PickKey = tuple
