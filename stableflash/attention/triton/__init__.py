@@ -37,7 +37,7 @@ __all__ = ["attention", "supports", "supports_policy", "supports_masks", "suppor
 
 
 def supports(q: torch.Tensor) -> bool:
-    """Whether the kernels take inputs shaped and typed like `q`: head dims up to 128 (those between `HEAD_DIMS`
+    """Whether the kernels take inputs shaped and typed like `q`: head dims up to 256 (those between `HEAD_DIMS`
     zero-padded to the next), fp16 or bf16."""
     return kernel_head_dim(q.shape[-1]) is not None and q.dtype in INPUT_DTYPES
 

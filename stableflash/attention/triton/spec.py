@@ -249,13 +249,13 @@ def _spec_name(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, h
     return _build(policy_key, stabilize_key, dtype, head_dim, seq_len)
 
 
-@functools.lru_cache(maxsize=1024)
 def kernel_head_dim(head_dim: int) -> int | None:
     """The kernels' head dim for inputs of `head_dim`: the smallest of `HEAD_DIMS` that holds it (None above 256).
     Zero columns change no score, probability or output column that is kept, as flash-attn pads its own head dims."""
     return next((width for width in HEAD_DIMS if width >= head_dim), None) if head_dim >= 1 else None
 
 
+@functools.lru_cache(maxsize=1024)
 def _build(policy_key: str, stabilize_key: str | None, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
     policy, stabilize = Precision.from_key(policy_key), stabilizers.from_key(stabilize_key)
     if head_dim not in HEAD_DIMS:
