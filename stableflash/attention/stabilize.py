@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from dataclasses import dataclass
 
@@ -139,14 +138,26 @@ def _key(stabilize) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _key_of_record(kind: str, fields: tuple) -> str:
-    return json.dumps({"kind": kind, **{name: value for name, _, value in fields}}, sort_keys=True)
+    # an f-string, not JSON: torch.compile(fullgraph=True) traces it where a model builds its stabilizer inline
+    return kind + "(" + ", ".join(f"{name}={value!r}" for name, _, value in fields) + ")"
+
+
+def _field_value(text: str):
+    """A field's value from its repr in a key: a bool, an int, or a float (inf included)."""
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def from_key(key: str | None):
     if key is None:
         return None
-    record = json.loads(key)
-    return {"SFA": SFA, "ClampPbar": ClampPbar}[record.pop("kind")](**record)
+    kind, _, fields = key.partition("(")
+    pairs = (field.split("=", 1) for field in fields.removesuffix(")").split(", ") if field)
+    return {"SFA": SFA, "ClampPbar": ClampPbar}[kind](**{name: _field_value(text) for name, text in pairs})
 
 
 def check_stabilize(stabilize) -> Stabilizer | None:
