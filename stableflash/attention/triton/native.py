@@ -9,7 +9,7 @@ Compile-time features, none paid for when off: `STAB` 0 plain, 1 SFA (the seed's
 or not), 2 ClampPbar; `SOFTCAP` caps the scores as softcap · tanh(S / softcap) (Gemma 2's; `scale` is then the
 natural scale over the cap and `softcap` the cap in base-2 units, and the backward multiplies dS by the cap's slope
 1 - tanh²); `STATS` adds the per-head counters of `AttentionStats`; `TMA` streams key tiles (forward, dQ)
-or query tiles (dK/dV) by tensor descriptors, which the autotuner may choose at D >= 128 (`tuning`); `MASK` takes
+or query tiles (dK/dV) by tensor descriptors, which the autotuner may choose at D = 128 (`tuning`); `MASK` takes
 TK keys against T queries with a band (causal aligned to the bottom right, a sliding window: `LEFT`, `RIGHT`) and,
 with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), or with `PAD` and `SEG` a packed batch of sequences whose
 queries and keys may differ in length (`KEEP`, the (4, T + TK) int32 table `common.py` describes; the band aligned

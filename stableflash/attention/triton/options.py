@@ -21,7 +21,7 @@ class KernelOptions:
     hopper_forward: bool = True
     """On sm_90, the Gluon forward (`hopper.py`) where `hopper.FORWARD_TILES` has a tile for the call."""
     tma: bool = True
-    """At head dims >= 128, let the autotuner also try streaming tiles by TMA (`tuning.TMA_MIN_HEAD_DIM`)."""
+    """At D = 128, let the autotuner also try streaming tiles by TMA (`tuning.TMA_MIN_HEAD_DIM`; not at 256)."""
     group_sum_in_program: bool = True
     """Grouped-query attention's dK/dV: each program sums its key/value head's query heads in fp32 before it stores
     (FA3's way); off, each query head's share is stored in the input dtype and summed over the group afterwards
