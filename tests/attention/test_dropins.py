@@ -118,6 +118,20 @@ def test_sdpa_has_sdpas_signature_defaults_and_masks():
     assert torch.allclose(three, F.scaled_dot_product_attention(q[0], k[0], v[0]))
 
 
+@pytest.mark.parametrize("L, S", [(0, 7), (5, 0), (0, 0)])
+def test_sdpa_without_queries_or_keys_gives_sdpas_result(L, S):
+    """No queries: an empty output; no keys: zeros (each query's softmax weighs nothing); gradients as torch's, GQA
+    included."""
+    q = torch.randn(2, 4, L, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, S, 8, requires_grad=True) for _ in range(2))
+    ours = sdpa(q, k, v, enable_gqa=True)
+    theirs = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert ours.shape == theirs.shape == (2, 4, L, 8) and torch.equal(ours, theirs)
+    dout = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), dout), torch.autograd.grad(theirs, (q, k, v), dout)):
+        assert torch.equal(a, b)
+
+
 def test_route_sdpa_sends_a_blocks_calls_through_stableflash_and_restores_torchs():
     q = _randn(1, 2, 5, 4, seed=0).float()
     original = F.scaled_dot_product_attention
