@@ -23,8 +23,9 @@ policy: `tiling_off()`, `with_delta(...)`, `with_pv_fp32()`, `with_o_fp32()`,
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -133,7 +134,8 @@ class Precision:
 
     def __post_init__(self):
         self._validate()
-        object.__setattr__(self, "_key", json.dumps(self._record(), sort_keys=True))
+        # a repr, not JSON: torch.compile(fullgraph=True) traces it where a model builds its policy inline
+        object.__setattr__(self, "_key", repr(self._record()))
 
     @property
     def key(self) -> str:
@@ -141,13 +143,13 @@ class Precision:
         function is evaluated at trace time (it cannot pass a dataclass instance to one)."""
         key = getattr(self, "_key", None)
         if key is None:  # unpickled from an earlier version
-            key = json.dumps(self._record(), sort_keys=True)
+            key = repr(self._record())
             object.__setattr__(self, "_key", key)
         return key
 
     @classmethod
     def from_key(cls, key: str) -> Precision:
-        return cls._from_record(json.loads(key))
+        return cls._from_record(ast.literal_eval(key))
 
     def _record(self) -> dict:
         record = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -194,6 +196,9 @@ class Precision:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Precision.{name}: expected a positive int or None, got {value!r}")
+        clamp = self.tile_sum_clamp
+        if clamp is not None and not (isinstance(clamp, (int, float)) and math.isfinite(clamp) and clamp >= 0):
+            raise ValueError(f"Precision.tile_sum_clamp: expected None or a finite number >= 0, got {clamp!r}")
         if self.delta_formula not in DELTA_FORMULAS:
             raise ValueError(f"Precision.delta_formula: expected one of {DELTA_FORMULAS}, got {self.delta_formula!r}")
         if self.rounding not in ROUNDING_MODES:

@@ -1,5 +1,6 @@
 """Precision policies: hashing, knobs, and the config's one path to a policy."""
 
+import dataclasses
 import pickle
 import subprocess
 import sys
@@ -143,3 +144,37 @@ def test_only_production_fa2_numerics_run_the_native_kernels():
     assert build_spec(PRESETS["fa2"], None, torch.bfloat16, 256).native
     for policy in (PRESETS["fa2"].with_sites(pv="e8m4"), PRESETS["fa2"].with_rounding("toward_zero", PV_PATH)):
         assert not build_spec(policy, None, torch.bfloat16, 256).native, policy.name
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_policy_and_its_key_give_each_other_back(name):
+    """The key torch.compile holds as a constant names the policy exactly, a per-head override and a tuple of rounding
+    sites included."""
+    from stableflash.attention.precision import Precision
+
+    for policy in (resolve(name), resolve(name).with_delta("dp_p"),
+                   dataclasses.replace(resolve("fa2"), rounding="toward_zero", rounding_sites=("pv", "acc"),
+                                       head_override=((0, 2), resolve(name)), tile_sum_clamp=1e-10)):
+        back = Precision.from_key(policy.key)
+        assert back == policy and back.key == policy.key
+
+
+def test_a_policy_built_inside_compiled_code_traces_whole():
+    """A model that builds its policy in its forward (a preset with another δ formula) compiles with fullgraph=True."""
+    import torch
+
+    from stableflash import flash_attention
+
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, causal=True, precision=resolve("paper").with_delta("dp_p"), backend="reference")
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v), attend(q, k, v))
+
+
+@pytest.mark.parametrize("clamp", [-1.0, float("inf"), float("nan"), "1e-10"])
+def test_a_tile_sum_clamp_must_be_a_finite_number(clamp):
+    with pytest.raises(ValueError, match="Precision.tile_sum_clamp: expected None or a finite number >= 0"):
+        dataclasses.replace(resolve("fa2"), tile_sum_clamp=clamp)
