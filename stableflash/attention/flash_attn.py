@@ -136,12 +136,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                                               stabilize, stats)
         return _with_lse(out, lse, return_attn_probs)
     outs, lses = [], []  # elsewhere: one call per sequence
+    lse_dtype = resolve(precision).compute_dtype()  # the dtype the calls' log-sum-exps come in
     for (q0, q1), (k0, k1) in zip(zip(qs, qs[1:]), zip(ks, ks[1:])):
         if q1 == q0:
             continue
         if k1 == k0:  # a sequence without keys: its queries see nothing
             outs.append(torch.zeros_like(q[q0:q1]))
-            lses.append(torch.full((q.shape[1], q1 - q0), float("-inf"), device=q.device))
+            lses.append(torch.full((q.shape[1], q1 - q0), float("-inf"), dtype=lse_dtype, device=q.device))
             continue
         out, lse, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale,
                                       causal=causal, window_size=window, softcap=softcap, deterministic=deterministic,
@@ -150,7 +151,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         outs.append(out[0])
         lses.append(lse[0])
     out = torch.cat(outs) if outs else torch.zeros_like(q)
-    lse = torch.cat(lses, dim=1) if lses else torch.full((q.shape[1], 0), float("-inf"), device=q.device)
+    lse = torch.cat(lses, dim=1) if lses else torch.full((q.shape[1], 0), float("-inf"), dtype=lse_dtype,
+                                                         device=q.device)
     return _with_lse(out, lse, return_attn_probs)
 
 
@@ -264,7 +266,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     common = dict(causal=causal, scale=softmax_scale, window=window, layout="bthd", softcap=softcap,
                   precision=precision, stabilize=stabilize, stats=stats, backend=backend, return_lse=True)
     if keys.shape[1] == 0:  # no sequence holds a key
-        out, lse = _seeing_nothing(q)
+        out, lse = _seeing_nothing(q, precision)
     elif cache_leftpad is None and bool((seen == seen[0]).all()):  # one length: one call, causal to the cache's end
         out, lse = flash_attention(q, keys, values, **common)
     elif (Tq == 1 or not causal) and window == (-1, -1):  # the lengths as key padding: one call
@@ -313,14 +315,16 @@ class _Rotary:
         return torch.cat((rotated.to(x.dtype), x[..., r:]), dim=-1)
 
 
-def _seeing_nothing(q):
-    """Queries q (B, Tq, H, D) without a key to see: O = 0 and lse = -inf (B, H, Tq), as a fully masked row elsewhere."""
+def _seeing_nothing(q, precision):
+    """Queries q (B, Tq, H, D) without a key to see: O = 0 and lse = -inf (B, H, Tq) in the dtype the policy's calls
+    give it, as a fully masked row elsewhere."""
     B, Tq, H, _ = q.shape
-    return torch.zeros_like(q), torch.full((B, H, Tq), float("-inf"), device=q.device)
+    return torch.zeros_like(q), torch.full((B, H, Tq), float("-inf"), dtype=resolve(precision).compute_dtype(),
+                                           device=q.device)
 
 
 def _one_sequence(q, keys, values, common):
-    return _seeing_nothing(q) if keys.shape[1] == 0 else flash_attention(q, keys, values, **common)
+    return _seeing_nothing(q, common["precision"]) if keys.shape[1] == 0 else flash_attention(q, keys, values, **common)
 
 
 def _cache_starts(cache_leftpad, batch: int, seen: torch.Tensor, device) -> torch.Tensor:

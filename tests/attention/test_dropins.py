@@ -233,6 +233,19 @@ def test_kvcache_left_padding_starts_each_sequence_at_its_own_first_key():
                                 **EXACT)
 
 
+@pytest.mark.parametrize("precision, dtype", [("fp64", torch.float64), ("fa2", torch.float32)])
+def test_varlen_sequences_without_keys_give_the_policys_lse_dtype(precision, dtype):
+    """Sequences with no key (some, or all of them) give O = 0 and lse = -inf in the dtype the others' calls give."""
+    g = torch.Generator().manual_seed(31)
+    q, k = torch.randn(7, 2, 8, dtype=torch.float64, generator=g), torch.randn(3, 2, 8, dtype=torch.float64, generator=g)
+    v = k
+    for ks in ([0, 3, 3], [0, 0, 0]):
+        out, lse, _ = flash_attn_varlen_func(q, k[:ks[-1]], v[:ks[-1]], torch.tensor([0, 3, 7], dtype=torch.int32),
+                                             torch.tensor(ks, dtype=torch.int32), 4, 3, return_attn_probs=True,
+                                             precision=precision, backend="reference")
+        assert lse.dtype == dtype and (out[3:] == 0).all() and (lse[:, 3:] == float("-inf")).all(), ks
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["rows", "pages"])
 def test_kvcache_with_no_key_in_any_sequence_gives_zeros_and_minus_infinity(paged):
     """Every sequence empty (cache_seqlens 0 and no new keys), through each of the call's routes: what one empty
@@ -246,6 +259,7 @@ def test_kvcache_with_no_key_in_any_sequence_gives_zeros_and_minus_infinity(page
                                            causal=causal, window_size=window, return_softmax_lse=True, **EXACT)
         assert (out == 0).all() and out.shape == q.shape, (causal, Tq)
         assert lse.shape == (2, H, Tq) and (lse == float("-inf")).all(), (causal, Tq)
+        assert lse.dtype == torch.float64  # as the policy's calls give it (fp64 numerics here)
 
 
 def test_kvcache_positions_past_the_cache_are_an_error_flash_attn_code_catches():
