@@ -130,17 +130,24 @@ def _tiles(length: int, block: int | None):
 
 
 def _scores(r: _Rounder, qi, kj, scale, vis: Visibility, i0, j0, mods: ScoreMods | None = None):
+    return _scores_and_capped(r, qi, kj, scale, vis, i0, j0, mods)[0]
+
+
+def _scores_and_capped(r: _Rounder, qi, kj, scale, vis: Visibility, i0, j0, mods: ScoreMods | None = None):
+    """The tile's scores, and with a softcap the capped scores before any bias and mask (None without one): the
+    backward's derivative through the cap is taken at them, not at the biased scores."""
     qk = r.mm(qi, kj.transpose(-1, -2), "qk")
     s = r.site("scores", r.ew(lambda a: a * scale, qk))
+    capped = None
     if mods is not None and mods.softcap > 0:
-        s = r.site("scores", mods.softcap * torch.tanh(r.up(s) / mods.softcap))
+        s = capped = r.site("scores", mods.softcap * torch.tanh(r.up(s) / mods.softcap))
     if mods is not None and mods.bias is not None:
         bias = mods.bias[..., i0:i0 + s.shape[-2], j0:j0 + s.shape[-1]]
         s = r.site("scores", r.up(s) + bias.to(device=s.device, dtype=r.cd))
     mask = vis.hidden(i0, qi.shape[-2], j0, kj.shape[-2], qi.device)
     if mask is not None:
         s = s.masked_fill(mask, -math.inf)
-    return s
+    return s, capped
 
 
 def _policy_rounds_alone(fn):
@@ -316,15 +323,15 @@ def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibi
             if vis.skips(i0, bm, j0, bn):
                 continue
             qi, doi = q[:, :, i0:i0 + bm], dout[:, :, i0:i0 + bm]
-            s = _scores(r, qi, kj, scale, vis, i0, j0, mods)
+            s, capped = _scores_and_capped(r, qi, kj, scale, vis, i0, j0, mods)
             p = _probabilities(r, s, lse[:, :, i0:i0 + bm])
             p_op = r.site("p_operand", p)
             dv_j = r.site("dv", r.ew(torch.add, dv_j, r.mm(p_op.transpose(-1, -2), doi, "dv_part")))
             dp = r.mm(doi, vj.transpose(-1, -2), "dp")
             ds = r.site("ds", r.ew(torch.mul, p, r.ew(torch.sub, dp, delta[:, :, i0:i0 + bm])))
-            if mods is not None and mods.softcap > 0:  # through the cap: d tanh(x) = 1 - tanh(x)^2
-                capped = r.up(s).nan_to_num(neginf=0.0) / mods.softcap
-                ds = r.site("ds", r.up(ds) * (1 - capped * capped))
+            if capped is not None:  # through the cap: d tanh(x) = 1 - tanh(x)^2
+                tanh = r.up(capped) / mods.softcap
+                ds = r.site("ds", r.up(ds) * (1 - tanh * tanh))
             ds_op = r.site("ds_operand", ds)
             dq_part = r.ew(lambda a: a * scale, r.mm(ds_op, kj, "dq_part"))
             dq[i0] = r.site("dq", r.ew(torch.add, dq[i0], dq_part))

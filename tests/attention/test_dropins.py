@@ -81,10 +81,14 @@ def test_varlen_packed_forms_and_their_lse():
         flash_attn_varlen_func(q, *pools, cu, cu, 8, 8, block_table=table[:, :2], **EXACT)
 
 
-def test_softcap_forward_and_backward_are_the_capped_softmax():
-    q, k, v = (_randn(1, 2, 7, 4, seed=i).requires_grad_() for i in range(3))
-    ours = flash_attention(q, k, v, softcap=2.0, **EXACT)
-    want, _ = _dense(q, k, v, causal=True, softcap=2.0)
+@pytest.mark.parametrize("biased", [False, True])
+def test_softcap_forward_and_backward_are_the_capped_softmax(biased):
+    """With a float `attn_mask` too: its bias is added after the cap, so the backward's derivative through the cap
+    is taken at the capped scores without it (at the biased ones, dQ and dK were off by up to 0.6 here)."""
+    q, k, v = (_randn(1, 2, 7, 4, seed=i).mul(4).requires_grad_() for i in range(3))
+    bias = _randn(1, 1, 7, 7, seed=5).mul(2) if biased else None
+    ours = flash_attention(q, k, v, softcap=2.0, attn_mask=bias, **EXACT)
+    want, _ = _dense(q, k, v, causal=True, softcap=2.0, bias=bias)
     assert torch.allclose(ours, want)
     dout = _randn(1, 2, 7, 4, seed=9)
     grads = torch.autograd.grad(ours, (q, k, v), dout)
