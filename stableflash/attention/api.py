@@ -44,8 +44,8 @@ def _check_inputs(q, k, v):
             raise TypeError(f"{name}: dtype {t.dtype} does not match q's {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: device {t.device} does not match q's {q.device}")
-    if D < 1 or Tq < 1 or k.shape[-2] < 1:
-        raise ValueError(f"q, k: expected T >= 1 and D >= 1, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    if D < 1:
+        raise ValueError(f"q: expected head dim D >= 1, got shape {tuple(q.shape)}")
 
 
 def _check_mask_arguments(window, key_padding_mask, q, k):
@@ -64,6 +64,18 @@ def _check_mask_arguments(window, key_padding_mask, q, k):
 def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     """k or v with each head repeated for its group of q heads (autograd sums the group's gradients back)."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _without_queries_or_keys(q, k, v, policy: Precision, stats):
+    """Attention where Tq or Tk is 0: an empty O, or O = 0 and lse = -inf (each row sees no key, as a fully masked
+    row does); differentiable, with zero gradients (a softmax over no key weighs nothing). The rows count in the
+    statistics, with nothing else."""
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    out = ((q @ k.transpose(-1, -2)).softmax(-1) @ v).to(policy.dtype("out", q.dtype))
+    if stats is not None:
+        stats.add(slice(None), rows=q.shape[0] * q.shape[2], repeated_max_rows=0, pbar_ones=0,
+                  max_score=torch.tensor(-math.inf, device=q.device))
+    return out, torch.full(q.shape[:-1], -math.inf, dtype=policy.compute_dtype(), device=q.device)
 
 
 def _math_attention(q, k, v, scale, vis: Visibility, stats, mods: ScoreMods | None = None):
@@ -157,7 +169,8 @@ def flash_attention(
     Returns:
         O, shaped like q, in the dtype of the policy's `out` site ("math" and
         "sdpa": the inputs' dtype); with `return_lse`, (O, lse). Differentiable with respect to q, k, v.
-        Rows that see no key give O = 0 and zero gradients.
+        Rows that see no key give O = 0 and zero gradients (lse -inf): so does every row where Tk = 0, and
+        Tq = 0 gives an empty O; no backend runs for those.
 
     GQA runs in the fused kernels too (k and v are read per group, not repeated); so do Tk != Tq, windows and key
     padding, under every policy the kernels run but a per-head override (there "auto" takes the reference and
@@ -195,6 +208,9 @@ def flash_attention(
         if not isinstance(stats, AttentionStats):
             raise TypeError(f"stats: expected an AttentionStats, got {type(stats).__name__}")
         stats.check(q.shape[1])
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        out, lse = _without_queries_or_keys(q, k, v, policy, stats)
+        return (out, lse) if return_lse else out
 
     shaped = dense is not None or bias is not None  # what only the reference, math and sdpa take
     capped = softcap > 0

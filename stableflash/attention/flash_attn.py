@@ -135,25 +135,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
             out, lse = _packed_in_the_kernels(q, k, v, qs, ks, softmax_scale, causal, window, softcap, precision,
                                               stabilize, stats)
         return _with_lse(out, lse, return_attn_probs)
-    outs, lses = [], []  # elsewhere: one call per sequence
-    lse_dtype = resolve(precision).compute_dtype()  # the dtype the calls' log-sum-exps come in
+    outs, lses = [], []  # elsewhere: one call per sequence (empty ones too: their zeros join autograd's graph)
     for (q0, q1), (k0, k1) in zip(zip(qs, qs[1:]), zip(ks, ks[1:])):
-        if q1 == q0:
-            continue
-        if k1 == k0:  # a sequence without keys: its queries see nothing
-            outs.append(torch.zeros_like(q[q0:q1]))
-            lses.append(torch.full((q.shape[1], q1 - q0), float("-inf"), dtype=lse_dtype, device=q.device))
-            continue
         out, lse, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale,
                                       causal=causal, window_size=window, softcap=softcap, deterministic=deterministic,
                                       return_attn_probs=True, precision=precision, stabilize=stabilize, stats=stats,
                                       backend=backend)
         outs.append(out[0])
         lses.append(lse[0])
-    out = torch.cat(outs) if outs else torch.zeros_like(q)
-    lse = torch.cat(lses, dim=1) if lses else torch.full((q.shape[1], 0), float("-inf"), dtype=lse_dtype,
-                                                         device=q.device)
-    return _with_lse(out, lse, return_attn_probs)
+    return _with_lse(torch.cat(outs), torch.cat(lses, dim=1), return_attn_probs)
 
 
 def _gathered_pages(k_pages, v_pages, block_table, cu_seqlens_k):
@@ -265,17 +255,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     keys, values = _gathered_cache(k_cache, v_cache, rows, block_table, longest + new)
     common = dict(causal=causal, scale=softmax_scale, window=window, layout="bthd", softcap=softcap,
                   precision=precision, stabilize=stabilize, stats=stats, backend=backend, return_lse=True)
-    if keys.shape[1] == 0:  # no sequence holds a key
-        out, lse = _seeing_nothing(q, precision)
-    elif cache_leftpad is None and bool((seen == seen[0]).all()):  # one length: one call, causal to the cache's end
+    if cache_leftpad is None and bool((seen == seen[0]).all()):  # one length: one call, causal to the cache's end
         out, lse = flash_attention(q, keys, values, **common)
     elif (Tq == 1 or not causal) and window == (-1, -1):  # the lengths as key padding: one call
         positions = torch.arange(keys.shape[1], device=q.device)[None, :]
         padding = (positions < seen[:, None]) & (positions >= first[:, None])
         out, lse = flash_attention(q, keys, values, key_padding_mask=padding, **common)
     else:  # causal or windowed rows of several queries align to each sequence's own end: a call each
-        parts = [_one_sequence(q[b:b + 1], keys[b:b + 1, int(first[b]):int(seen[b])],
-                               values[b:b + 1, int(first[b]):int(seen[b])], common) for b in range(B)]
+        parts = [flash_attention(q[b:b + 1], keys[b:b + 1, int(first[b]):int(seen[b])],
+                                 values[b:b + 1, int(first[b]):int(seen[b])], **common) for b in range(B)]
         out, lse = torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     return (out, lse) if return_softmax_lse else out
 
@@ -313,18 +301,6 @@ class _Rotary:
         y1, y2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
         rotated = torch.stack((y1, y2), dim=-1).flatten(-2) if self.interleaved else torch.cat((y1, y2), dim=-1)
         return torch.cat((rotated.to(x.dtype), x[..., r:]), dim=-1)
-
-
-def _seeing_nothing(q, precision):
-    """Queries q (B, Tq, H, D) without a key to see: O = 0 and lse = -inf (B, H, Tq) in the dtype the policy's calls
-    give it, as a fully masked row elsewhere."""
-    B, Tq, H, _ = q.shape
-    return torch.zeros_like(q), torch.full((B, H, Tq), float("-inf"), dtype=resolve(precision).compute_dtype(),
-                                           device=q.device)
-
-
-def _one_sequence(q, keys, values, common):
-    return _seeing_nothing(q, common["precision"]) if keys.shape[1] == 0 else flash_attention(q, keys, values, **common)
 
 
 def _cache_starts(cache_leftpad, batch: int, seen: torch.Tensor, device) -> torch.Tensor:

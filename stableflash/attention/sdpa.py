@@ -39,22 +39,12 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     batched = query.dim() == 4
     q, k, v = (t if batched else t.unsqueeze(0) for t in (query, key, value))
     L, S = q.shape[-2], k.shape[-2]
-    if L == 0 or S == 0:  # SDPA's result there: empty, or zeros where no query has a key to see
-        out = _without_queries_or_keys(q, k, v)
-        return out if batched else out[0]
     causal = is_causal and L == S
     if is_causal and L != S:  # SDPA's causal mask for L != S: query i sees keys 0..i
         attn_mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
     out = flash_attention(q, k, v, causal=causal, attn_mask=attn_mask, scale=scale, precision=precision,
                           stabilize=stabilize, stats=stats, backend=backend)
     return out if batched else out[0]
-
-
-def _without_queries_or_keys(q, k, v):
-    """softmax(q kᵀ) v where L or S is 0: an empty (B, H, 0, E) output, or (B, H, L, E) zeros (a softmax over no key
-    weighs nothing); differentiable, with zero gradients."""
-    k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
-    return torch.matmul(torch.matmul(q, k.transpose(-2, -1)).softmax(-1), v)
 
 
 @contextlib.contextmanager

@@ -239,15 +239,19 @@ def test_kvcache_left_padding_starts_each_sequence_at_its_own_first_key():
 
 @pytest.mark.parametrize("precision, dtype", [("fp64", torch.float64), ("fa2", torch.float32)])
 def test_varlen_sequences_without_keys_give_the_policys_lse_dtype(precision, dtype):
-    """Sequences with no key (some, or all of them) give O = 0 and lse = -inf in the dtype the others' calls give."""
+    """Sequences with no key (some, or all of them) give O = 0 and lse = -inf in the dtype the others' calls give,
+    and a gradient (zero there): with every sequence empty the output still joins autograd's graph."""
     g = torch.Generator().manual_seed(31)
-    q, k = torch.randn(7, 2, 8, dtype=torch.float64, generator=g), torch.randn(3, 2, 8, dtype=torch.float64, generator=g)
+    q = torch.randn(7, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
+    k = torch.randn(3, 2, 8, dtype=torch.float64, generator=g)
     v = k
     for ks in ([0, 3, 3], [0, 0, 0]):
         out, lse, _ = flash_attn_varlen_func(q, k[:ks[-1]], v[:ks[-1]], torch.tensor([0, 3, 7], dtype=torch.int32),
                                              torch.tensor(ks, dtype=torch.int32), 4, 3, return_attn_probs=True,
                                              precision=precision, backend="reference")
         assert lse.dtype == dtype and (out[3:] == 0).all() and (lse[:, 3:] == float("-inf")).all(), ks
+        (dq,) = torch.autograd.grad(out, q, torch.ones_like(out))
+        assert (dq[3:] == 0).all(), ks
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["rows", "pages"])

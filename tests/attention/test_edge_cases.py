@@ -105,6 +105,26 @@ def test_neg_inf_keys_are_masked_and_fully_masked_rows_give_zero():
     assert torch.isfinite(q2.grad[0, 0, [0, 1, 3]]).all()
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference", "math"])
+@pytest.mark.parametrize("Tq, Tk", [(0, 5), (3, 0), (0, 0)])
+def test_no_queries_or_no_keys_are_defined(backend, Tq, Tk):
+    """Tq = 0: an empty O; Tk = 0: every row sees no key, so O = 0 and lse = -inf, as a fully masked row. Both keep
+    the policy's dtypes and join autograd with zero gradients (GQA included), and the rows count in the statistics."""
+    q = torch.randn(2, 4, Tq, 8, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, Tk, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    stats = AttentionStats(4) if backend != "math" else None
+    out, lse = flash_attention(q, k, v, causal=True, backend=backend, stats=stats, return_lse=True,
+                               key_padding_mask=torch.ones(2, Tk, dtype=torch.bool))
+    assert out.shape == (2, 4, Tq, 8) and out.dtype == torch.bfloat16 and torch.equal(out, torch.zeros_like(out))
+    assert lse.shape == (2, 4, Tq) and lse.dtype == torch.float32 and torch.isneginf(lse).all()
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(g.shape == t.shape and torch.equal(g, torch.zeros_like(g)) for g, t in zip(grads, (q, k, v)))
+    if stats is not None:
+        assert stats.rows.tolist() == [2 * Tq] * 4 and stats.repeated_max_rows.sum() == 0
+    _, lse64 = flash_attention(q.double(), k.double(), v.double(), precision="fp64", return_lse=True)
+    assert lse64.dtype == torch.float64
+
+
 def test_statistics_stay_out_of_autograd_in_compiled_micro_batches():
     """A maximum that carries a gradient (a compiled op's float output) must not make the running totals part of the
     graph: a compiled step would then take them as an input needing a gradient, and the next micro-batch's backward
