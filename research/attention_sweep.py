@@ -1,0 +1,621 @@
+"""A random differential sweep of the public attention calls against a dense fp64 softmax.
+
+Each case draws one call (`flash_attention`, `sdpa`, the flash-attn calls: batched, packed, varlen and kv-cache) with
+random sizes (odd ones, empty sequences, Tq > Tk), head dims 8-256, dtypes, GQA, masks, windows, softcap, SFA and
+scales, and checks its output, log-sum-exp and gradients against softmax(S) V computed densely in fp64 from the
+same inputs, with the masks built here from their definitions (not from the package's).
+
+The rule is flash-attn's own: max |ours - exact| <= 2 max |plain - exact| + atol, where "plain" is the worse of two
+baselines in the inputs' dtype (the same dense attention, and FlashAttention-2's arithmetic without tiles) and atol
+one unit in the last place of that dtype at the exact tensor's largest entry (at least 2^-10; four units in fp32,
+where the baselines compute no coarser than the calls). Rows that see no key are exact: O = 0, lse = -inf, no
+gradient. The kv-cache call's in-place writes are checked too.
+
+On the CPU the calls take the reference (the package's tiled PyTorch path); on a GPU the fused kernels, the decoding
+kernel and the packed kernels. Every case has its own seed: `--only SEED` runs that one case again.
+
+    python research/attention_sweep.py --cases 400 --out sweep.json            # CPU
+    python research/attention_sweep.py --device cuda --budget-s 300 --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+import traceback
+
+import torch
+
+from stableflash import (
+    SFA,
+    flash_attention,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    sdpa,
+)
+
+HEAD_DIMS = (8, 16, 24, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256)
+TARGETS = ("flash_attention", "sdpa", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
+
+
+# ---- the oracle -------------------------------------------------------------------------------------------------
+
+def aligned_band(Tq: int, Tk: int, causal: bool, window: tuple[int, int], device) -> torch.Tensor:
+    """(Tq, Tk) bool, True where query i sees key j: flash-attn's bottom-right alignment, j - i - (Tk - Tq) in
+    [-left, right] (-1: unbounded), causal meaning right = 0."""
+    i = torch.arange(Tq, device=device)[:, None]
+    j = torch.arange(Tk, device=device)[None, :]
+    offset = j - i - (Tk - Tq)
+    left, right = window
+    right = 0 if causal else right
+    seen = torch.ones(Tq, Tk, dtype=torch.bool, device=device)
+    if right >= 0:
+        seen &= offset <= right
+    if left >= 0:
+        seen &= offset >= -left
+    return seen
+
+
+def dense(q, k, v, visible, scale: float, softcap: float = 0.0, bias=None, dtype=None):
+    """softmax(S) V in (B, H, T, D), S = scale q kᵀ capped then biased, hidden keys -inf; computed in `dtype` (q's
+    if None). Returns O (rows without keys 0) and the fp64 log-sum-exp of S (-inf there)."""
+    dtype = dtype or q.dtype
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.to(dtype)
+    s = s.masked_fill(~visible, -math.inf)
+    empty = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return p @ v, torch.logsumexp(s.detach().double(), dim=-1)
+
+
+class FlashPlain(torch.autograd.Function):
+    """FlashAttention-2's arithmetic without tiles, stored in the inputs' dtype: scores and softmax in fp32 from
+    the inputs, P rounded to the dtype for P V, O stored in it; the backward forms δ = rowsum(dO ∘ O) from the
+    stored O, as flash backwards do, and rounds dS to the dtype before its products. A second plain baseline:
+    where the exact gradient is far smaller than the dP - δ it cancels from, the dense dtype autograd can be lucky,
+    and a flash backward's error is that of δ from the rounded O."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, visible, scale, softcap, bias):
+        f = torch.promote_types(q.dtype, torch.float32)
+        groups = q.shape[1] // k.shape[1]
+        Q, K, V = q.to(f), k.repeat_interleave(groups, 1).to(f), v.repeat_interleave(groups, 1).to(f)
+        s = Q @ K.transpose(-1, -2) * scale
+        tanh = None
+        if softcap > 0:
+            tanh = torch.tanh(s / softcap)
+            s = softcap * tanh
+        if bias is not None:
+            s = s + bias.to(f)
+        s = s.masked_fill(~visible, -math.inf)
+        m = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_full((*s.shape[:-1], 1), -math.inf)
+        empty = torch.isneginf(m)
+        p = torch.exp(s - m.masked_fill(empty, 0.0))
+        l = p.sum(-1, keepdim=True)
+        probs = torch.where(empty, 0.0, p / l.masked_fill(empty, 1.0))
+        o = torch.where(empty, 0.0, (p.to(q.dtype).to(f) @ V) / l.masked_fill(empty, 1.0)).to(q.dtype)
+        ctx.save_for_backward(Q, K, V, probs, o, tanh)
+        ctx.shape, ctx.groups, ctx.scale = k.shape, groups, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, dout):
+        Q, K, V, probs, o, tanh = ctx.saved_tensors
+        f, dtype = Q.dtype, o.dtype
+        dO = dout.to(f)
+        delta = (dO * o.to(f)).sum(-1, keepdim=True)
+        ds = probs * (dO @ V.transpose(-1, -2) - delta)
+        if tanh is not None:
+            ds = ds * (1 - tanh * tanh)
+        ds = ds.to(dtype).to(f)
+        dq = ctx.scale * ds @ K
+        dk = ctx.scale * ds.transpose(-1, -2) @ Q
+        dv = probs.to(dtype).to(f).transpose(-1, -2) @ dO
+        B, H_kv, Tk, D = ctx.shape
+        dk, dv = (t.reshape(B, H_kv, ctx.groups, Tk, t.shape[-1]).sum(2) for t in (dk, dv))
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None
+
+
+def attend(q, k, v, visible, scale: float, softcap: float, bias, how: str):
+    """The oracle ("exact": fp64) or a baseline ("plain": dense in the inputs' dtype; "flash": `FlashPlain`)."""
+    if how == "flash":
+        return FlashPlain.apply(q, k, v, visible.expand(q.shape[0], q.shape[1], -1, -1), scale, softcap, bias), None
+    return dense(q, k, v, visible, scale, softcap, bias, torch.float64 if how == "exact" else None)
+
+
+class Check:
+    """flash-attn's comparison rule, recorded per tensor."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.worst: dict[str, float] = {}
+        self.failures: list[str] = []
+
+    def close(self, name, ours, plains, exact, terms: float = 0.0):
+        """`terms`: the size of the fp32 terms that cancel in this tensor (a gradient's dP - δ), whose rounding
+        the atol also allows (one fp32 unit there): a row with one visible key has dQ = 0 exactly, which the plain
+        dense backward gives but a flash backward, forming δ apart from dP, does not."""
+        if ours is None:
+            self.failures.append(f"{name}: missing")
+            return
+        ours, exact = ours.detach().cpu().double(), exact.detach().cpu().double()
+        if ours.shape != exact.shape:
+            self.failures.append(f"{name}: shape {tuple(ours.shape)}, expected {tuple(exact.shape)}")
+            return
+        if not torch.isfinite(ours).all():
+            self.failures.append(f"{name}: {int((~torch.isfinite(ours)).sum())} non-finite values")
+            return
+        if exact.numel() == 0:
+            return
+        bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}[self.dtype]
+        scale = max(exact.abs().max().item(), 2.0 ** -10)
+        atol = 2.0 ** (math.floor(math.log2(scale)) - bits) * (4 if self.dtype == torch.float32 else 1)
+        if terms > 0:
+            atol = max(atol, 2.0 ** (math.floor(math.log2(terms)) - 23))
+        plain = max((p.detach().cpu().double() - exact).abs().max().item() for p in plains)
+        err, allowed = (ours - exact).abs().max().item(), 2 * plain + atol
+        self.worst[name] = max(self.worst.get(name, 0.0), err / allowed)
+        if err > allowed:
+            self.failures.append(f"{name}: max error {err:.3g} > allowed {allowed:.3g}")
+
+    def lse(self, name, ours, exact):
+        """-inf exactly where the exact one is; elsewhere within 1e-3 relative (scores in fp32 or wider)."""
+        ours, exact = ours.detach().cpu().double(), exact.detach().cpu().double()
+        if ours.shape != exact.shape:
+            self.failures.append(f"{name}: shape {tuple(ours.shape)}, expected {tuple(exact.shape)}")
+            return
+        if not torch.equal(torch.isneginf(ours), torch.isneginf(exact)):
+            self.failures.append(f"{name}: -inf at other rows than the exact one's")
+            return
+        finite = torch.isfinite(exact)
+        if finite.any():
+            err = ((ours - exact).abs() / (1 + exact.abs()))[finite].max().item()
+            self.worst[name] = max(self.worst.get(name, 0.0), err / 1e-3)
+            if err > 1e-3:
+                self.failures.append(f"{name}: relative error {err:.3g} > 1e-3")
+
+
+def check_against_exact(check, ours_out, ours_grads, inputs, oracle, dout, grad_names, to_ours):
+    """Output and gradients of a call against the fp64 oracle and the plain baselines: `oracle(how)` takes the
+    call's leaves and gives (O, lse) in (B, H, T, D) form, `to_ours` maps that to the call's layout, and the
+    gradients come back through autograd. Returns the exact lse."""
+    exact_leaves = [t.detach().double().requires_grad_() for t in inputs]
+    exact_out, exact_lse = oracle("exact")(*exact_leaves)
+    plains = []
+    for how in ("plain", "flash"):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        plains.append((leaves, oracle(how)(*leaves)[0]))
+    check.close("out", ours_out, [to_ours(out) for _, out in plains], to_ours(exact_out))
+    if ours_grads is not None:
+        q, k, v = (t.detach().double().abs().max().item() if t.numel() else 0.0 for t in inputs)
+        terms = dout.detach().double().abs().max().item() * v * max(q, k) * (inputs[0].shape[-1] ** 0.5) \
+            if dout.numel() else 0.0
+        exact_grads = torch.autograd.grad(to_ours(exact_out), exact_leaves, dout.double(), allow_unused=True)
+        plain_grads = [torch.autograd.grad(to_ours(out), leaves, dout, allow_unused=True) for leaves, out in plains]
+        for i, (name, o, e) in enumerate(zip(grad_names, ours_grads, exact_grads)):
+            zero = torch.zeros_like(inputs[i] if e is None else e)
+            check.close(name, o, [zero if g[i] is None else g[i] for g in plain_grads], zero if e is None else e,
+                        terms)
+    return exact_lse
+
+
+# ---- the cases --------------------------------------------------------------------------------------------------
+
+class Draw:
+    def __init__(self, seed: int, device: str, max_len: int):
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.device, self.max_len = device, max_len
+        self.params: dict = {}
+
+    def pick(self, name, choices):
+        value = self.rng.choice(list(choices))
+        self.params[name] = value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+        return value
+
+    def length(self, name, allow_zero=False):
+        r = self.rng.random()
+        if allow_zero and r < 0.05:
+            value = 0
+        elif r < 0.3:
+            value = self.rng.randint(1, 8)
+        else:
+            value = self.rng.randint(1, self.max_len)
+        self.params[name] = value
+        return value
+
+    def heads(self):
+        H_kv = self.pick("H_kv", (1, 1, 2, 3))
+        return self.pick("group", (1, 1, 2, 4)) * H_kv, H_kv
+
+    def window(self):
+        if self.rng.random() < 0.6:
+            self.params["window"] = (-1, -1)
+            return (-1, -1)
+        w = (self.rng.choice((-1, 0, 1, 7, 33)), self.rng.choice((-1, 0, 1, 7, 33)))
+        self.params["window"] = w
+        return w
+
+    def tensor(self, *shape, dtype, magnitude=1.0):
+        return (torch.randn(*shape, generator=self.gen) * magnitude).to(dtype).to(self.device)
+
+
+def _same(t):
+    return t
+
+
+def _swap_t_and_h(t):  # (B, T, H, D) <-> (B, H, T, D)
+    return t.transpose(1, 2)
+
+
+def _batched(t):
+    return t.unsqueeze(0)
+
+
+def _unbatched(t):
+    return t[0]
+
+
+def _from_packed(t):  # (T, H, D) -> (1, H, T, D)
+    return t.transpose(0, 1)[None]
+
+
+def _to_packed(t):
+    return t[0].transpose(0, 1)
+
+
+def _leaves(*tensors):
+    return [t.requires_grad_() for t in tensors]
+
+
+def case_flash_attention(d: Draw, dtype):
+    B, (H, H_kv), D = d.pick("B", (1, 2, 3)), d.heads(), d.pick("D", HEAD_DIMS)
+    Tq, Tk = d.length("Tq"), d.length("Tk")
+    causal, window = d.pick("causal", (True, False)), d.window()
+    softcap = d.pick("softcap", (0.0, 0.0, 0.0, 5.0, 30.0))
+    magnitude = d.pick("magnitude", (1.0, 1.0, 4.0))
+    stabilize = d.pick("stabilize", (None, None, SFA()))
+    layout = d.pick("layout", ("bhtd", "bthd"))
+    padded = d.pick("key_padding", (False, False, True))
+    mask_kind = d.pick("attn_mask", ("none", "none", "none", "bool", "float"))
+    scale = d.pick("scale", (None, None, 0.3))
+    return_lse = d.pick("return_lse", (True, False))
+    q = d.tensor(B, H, Tq, D, dtype=dtype, magnitude=magnitude)
+    k, v = d.tensor(B, H_kv, Tk, D, dtype=dtype, magnitude=magnitude), d.tensor(B, H_kv, Tk, D, dtype=dtype)
+    dout = d.tensor(B, H, Tq, D, dtype=dtype)
+    padding = (torch.rand(B, Tk, generator=d.gen) < 0.8).to(d.device) if padded else None
+    attn_mask, bias = None, None
+    visible = aligned_band(Tq, Tk, causal, window, d.device).expand(B, H, Tq, Tk)
+    if padding is not None:
+        visible = visible & padding[:, None, None, :]
+    if mask_kind == "bool":
+        attn_mask = (torch.rand(1, H, Tq, Tk, generator=d.gen) < 0.85).to(d.device)
+        visible = visible & attn_mask
+    elif mask_kind == "float":
+        attn_mask = (torch.randn(B, 1, Tq, Tk, generator=d.gen) * 2).to(dtype).to(d.device)
+        bias = attn_mask
+    s = scale if scale is not None else D ** -0.5
+    to_layout = _swap_t_and_h if layout == "bthd" else _same
+    qi, ki, vi = _leaves(*(to_layout(t).contiguous() for t in (q, k, v)))
+    result = flash_attention(qi, ki, vi, causal=causal, window=window, key_padding_mask=padding, attn_mask=attn_mask,
+                             softcap=softcap, stabilize=stabilize, scale=scale, return_lse=return_lse, layout=layout)
+    out, lse = result if return_lse else (result, None)
+    grads = torch.autograd.grad(out, (qi, ki, vi), to_layout(dout))
+    check = Check(dtype)
+
+    def oracle(how):
+        return lambda q_, k_, v_: attend(to_layout(q_), to_layout(k_), to_layout(v_), visible, s, softcap, bias, how)
+    exact_lse = check_against_exact(check, out, grads, (qi, ki, vi), oracle, to_layout(dout), ("dq", "dk", "dv"),
+                                    to_layout)
+    if return_lse:
+        check.lse("lse", lse, exact_lse)
+    return check
+
+
+def case_sdpa(d: Draw, dtype):
+    batched = d.pick("batched", (True, True, False))
+    B, (H, H_kv), D = d.pick("B", (1, 2)), d.heads(), d.pick("D", HEAD_DIMS)
+    L, S = d.length("L", allow_zero=True), d.length("S", allow_zero=True)
+    kind = d.pick("mask", ("causal", "none", "bool", "float"))
+    scale = d.pick("scale", (None, 0.5))
+    lead = (B,) if batched else ()
+    q = d.tensor(*lead, H, L, D, dtype=dtype)
+    k, v = d.tensor(*lead, H_kv, S, D, dtype=dtype), d.tensor(*lead, H_kv, S, D, dtype=dtype)
+    dout = d.tensor(*lead, H, L, D, dtype=dtype)
+    attn_mask, bias = None, None
+    visible = torch.ones(1, 1, L, S, dtype=torch.bool, device=d.device)
+    if kind == "causal":
+        visible = torch.ones(L, S, dtype=torch.bool, device=d.device).tril()[None, None]  # SDPA's: top left
+    elif kind == "bool":
+        attn_mask = (torch.rand(L, S, generator=d.gen) < 0.8).to(d.device)
+        visible = attn_mask[None, None]
+    elif kind == "float":
+        attn_mask = torch.randn(L, S, generator=d.gen).to(dtype).to(d.device)
+        bias = attn_mask
+    qi, ki, vi = _leaves(q, k, v)
+    out = sdpa(qi, ki, vi, attn_mask=attn_mask, is_causal=kind == "causal", scale=scale, enable_gqa=H_kv != H)
+    grads = torch.autograd.grad(out, (qi, ki, vi), dout) if out.numel() else None
+    s = scale if scale is not None else D ** -0.5
+    batch, unbatch = (_same, _same) if batched else (_batched, _unbatched)
+    check = Check(dtype)
+
+    def oracle(how):
+        return lambda q_, k_, v_: attend(batch(q_), batch(k_), batch(v_), visible, s, 0.0,
+                                         None if bias is None else bias[None, None], how)
+    check_against_exact(check, out, grads, (qi, ki, vi), oracle, dout, ("dq", "dk", "dv"), unbatch)
+    return check
+
+
+def case_flash_attn_func(d: Draw, dtype):
+    B, (H, H_kv), D = d.pick("B", (1, 2, 3)), d.heads(), d.pick("D", HEAD_DIMS)
+    packing = d.pick("packing", ("none", "none", "kv", "qkv"))
+    Tq = d.length("Tq")
+    Tk = Tq if packing == "qkv" else d.length("Tk")
+    if packing == "qkv":
+        H_kv = H
+        d.params["H_kv"] = H
+    causal, window = d.pick("causal", (True, False)), d.window()
+    softcap = d.pick("softcap", (0.0, 0.0, 10.0))
+    q = d.tensor(B, Tq, H, D, dtype=dtype)
+    k, v = d.tensor(B, Tk, H_kv, D, dtype=dtype), d.tensor(B, Tk, H_kv, D, dtype=dtype)
+    dout = d.tensor(B, Tq, H, D, dtype=dtype)
+    common = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True)
+    qi, ki, vi = _leaves(q, k, v)
+    if packing == "none":
+        out, lse, _ = flash_attn_func(qi, ki, vi, **common)
+    elif packing == "kv":
+        out, lse, _ = flash_attn_kvpacked_func(qi, torch.stack((ki, vi), dim=2), **common)
+    else:
+        out, lse, _ = flash_attn_qkvpacked_func(torch.stack((qi, ki, vi), dim=2), **common)
+    grads = torch.autograd.grad(out, (qi, ki, vi), dout)
+    visible = aligned_band(Tq, Tk, causal, window, d.device)
+    bhtd = _swap_t_and_h
+    check = Check(dtype)
+
+    def oracle(how):
+        return lambda q_, k_, v_: attend(bhtd(q_), bhtd(k_), bhtd(v_), visible, D ** -0.5, softcap, None, how)
+    exact_lse = check_against_exact(check, out, grads, (qi, ki, vi), oracle, dout, ("dq", "dk", "dv"), bhtd)
+    check.lse("lse", lse, exact_lse)
+    return check
+
+
+def case_flash_attn_varlen_func(d: Draw, dtype):
+    (H, H_kv), D = d.heads(), d.pick("D", HEAD_DIMS)
+    count = d.pick("sequences", (1, 2, 3, 5))
+    lengths = [(d.length(f"Tq{b}", allow_zero=True), d.length(f"Tk{b}", allow_zero=True)) for b in range(count)]
+    causal, window = d.pick("causal", (True, False)), d.window()
+    softcap = d.pick("softcap", (0.0, 0.0, 10.0))
+    paged = d.pick("paged", (False, False, True))
+    tq, tk = sum(a for a, _ in lengths), sum(b for _, b in lengths)
+    q, dout = d.tensor(tq, H, D, dtype=dtype), d.tensor(tq, H, D, dtype=dtype)
+    k, v = d.tensor(tk, H_kv, D, dtype=dtype), d.tensor(tk, H_kv, D, dtype=dtype)
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q, cu_k = cu_q.to(d.device), cu_k.to(d.device)
+    max_q, max_k = max(a for a, _ in lengths), max(b for _, b in lengths)
+    qi, ki, vi = _leaves(q, k, v)
+    common = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True)
+    if paged:  # each sequence's keys on pages of 16, the pages shuffled in one pool
+        page = 16
+        pages_per = [max(1, -(-b // page)) for _, b in lengths]
+        order = list(range(sum(pages_per)))
+        d.rng.shuffle(order)
+        k_pages = torch.zeros(len(order), page, H_kv, D, dtype=dtype, device=d.device)
+        v_pages = torch.zeros_like(k_pages)
+        table = torch.zeros(count, max(pages_per), dtype=torch.int32)
+        used, start = 0, 0
+        for b, (_, n) in enumerate(lengths):
+            for p in range(pages_per[b]):
+                slot = order[used]
+                used += 1
+                table[b, p] = slot
+                rows = slice(start + p * page, min(start + (p + 1) * page, start + n))
+                width = rows.stop - rows.start
+                if width > 0:
+                    k_pages[slot, :width] = k[rows]
+                    v_pages[slot, :width] = v[rows]
+            start += n
+        out, lse, _ = flash_attn_varlen_func(qi, k_pages, v_pages, cu_q, cu_k, max_q, max_k,
+                                             block_table=table.to(d.device), **common)
+        grads = torch.autograd.grad(out, qi, dout) if tq else None  # the pages are not the call's leaves
+    else:
+        out, lse, _ = flash_attn_varlen_func(qi, ki, vi, cu_q, cu_k, max_q, max_k, **common)
+        grads = torch.autograd.grad(out, (qi, ki, vi), dout, allow_unused=True) if tq else None
+    # the oracle: one block-diagonal dense attention over the packed tokens
+    visible = torch.zeros(tq, tk, dtype=torch.bool, device=d.device)
+    for (a, b), q0, k0 in zip(lengths, cu_q.tolist(), cu_k.tolist()):
+        visible[q0:q0 + a, k0:k0 + b] = aligned_band(a, b, causal, window, d.device)
+    packed, unpacked = _from_packed, _to_packed
+    check = Check(dtype)
+
+    def oracle(how):
+        return lambda q_, k_, v_: attend(packed(q_), packed(k_), packed(v_), visible, D ** -0.5, softcap, None, how)
+    names = ("dq",) if paged else ("dq", "dk", "dv")
+    exact_lse = check_against_exact(check, out, grads, (qi, ki, vi), oracle, dout, names, unpacked)
+    check.lse("lse", lse, exact_lse[0])
+    return check
+
+
+def case_flash_attn_with_kvcache(d: Draw, dtype):
+    B, (H, H_kv), D = d.pick("B", (1, 2, 3)), d.heads(), d.pick("D", HEAD_DIMS)
+    Tq = d.pick("Tq", (1, 1, 2, 5))
+    new = d.pick("new", (0, 0, 1, Tq))
+    capacity = d.length("capacity") + new + 8
+    d.params["capacity"] = capacity
+    paged = d.pick("paged", (False, False, True))
+    if paged:
+        page = d.pick("page", (8, 16))
+        capacity = -(-capacity // page) * page
+    seqlens = [d.rng.randint(0, capacity - new) for _ in range(B)]
+    d.params["cache_seqlens"] = seqlens
+    leftpad = d.pick("leftpad", (False, False, True))
+    starts = [d.rng.randint(0, s + new) if leftpad else 0 for s in seqlens]
+    d.params["starts"] = starts
+    batch_idx = d.pick("cache_batch_idx", (False, False, True))
+    rows = list(range(B))
+    if batch_idx:
+        d.rng.shuffle(rows)
+    causal, window = d.pick("causal", (True, False)), d.window()
+    softcap = d.pick("softcap", (0.0, 0.0, 10.0))
+    rotary = d.pick("rotary", ("none", "none", "interleaved", "halves"))
+    q = d.tensor(B, Tq, H, D, dtype=dtype)
+    k_cache, v_cache = d.tensor(B, capacity, H_kv, D, dtype=dtype), d.tensor(B, capacity, H_kv, D, dtype=dtype)
+    k_new = d.tensor(B, new, H_kv, D, dtype=dtype) if new else None
+    v_new = d.tensor(B, new, H_kv, D, dtype=dtype) if new else None
+    cos = sin = None
+    R = 2 * (D // 4) if D >= 4 else 0
+    if rotary != "none" and R:
+        angles = torch.arange(capacity + Tq + 1.0)[:, None] * (1e-2 * torch.arange(1, R // 2 + 1.0))[None]
+        cos, sin = angles.cos().to(dtype).to(d.device), angles.sin().to(dtype).to(d.device)
+    else:
+        rotary = "none"
+        d.params["rotary"] = "none"
+
+    def rotate(x, positions):  # x (T, H, D) at positions (T,)
+        if rotary == "none":
+            return x
+        wide = torch.promote_types(x.dtype, torch.float32)
+        c, s_ = cos[positions].to(wide)[:, None], sin[positions].to(wide)[:, None]
+        head = x[..., :R].to(wide)
+        x1, x2 = (head[..., 0::2], head[..., 1::2]) if rotary == "interleaved" else head.chunk(2, dim=-1)
+        y1, y2 = x1 * c - x2 * s_, x1 * s_ + x2 * c
+        turned = torch.stack((y1, y2), -1).flatten(-2) if rotary == "interleaved" else torch.cat((y1, y2), -1)
+        return torch.cat((turned.to(x.dtype), x[..., R:]), -1)
+
+    # what the cache holds after the call, built here: the new keys (rotated) written after each sequence's keys
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b in range(B):
+        if new:
+            positions = torch.arange(seqlens[b], seqlens[b] + new, device=d.device)
+            expected_k[rows[b], seqlens[b]:seqlens[b] + new] = rotate(k_new[b], positions)
+            expected_v[rows[b], seqlens[b]:seqlens[b] + new] = v_new[b]
+    if paged:
+        pages = capacity // page
+        order = list(range(B * pages))
+        d.rng.shuffle(order)
+        table = torch.tensor(order, dtype=torch.int32).reshape(B, pages)
+        pool_k = torch.zeros(B * pages, page, H_kv, D, dtype=dtype, device=d.device)
+        pool_v = torch.zeros_like(pool_k)
+        for b in range(B):  # sequence b's cache row rows[b] on its pages (cache_batch_idx is not taken with pages)
+            pool_k[table[b].long()] = k_cache[b].reshape(pages, page, H_kv, D)
+            pool_v[table[b].long()] = v_cache[b].reshape(pages, page, H_kv, D)
+        rows = list(range(B))
+        expected_k, expected_v = k_cache.clone(), v_cache.clone()
+        for b in range(B):
+            if new:
+                positions = torch.arange(seqlens[b], seqlens[b] + new, device=d.device)
+                expected_k[b, seqlens[b]:seqlens[b] + new] = rotate(k_new[b], positions)
+                expected_v[b, seqlens[b]:seqlens[b] + new] = v_new[b]
+        cache_args = dict(k_cache=pool_k, v_cache=pool_v, block_table=table.to(d.device))
+        d.params["cache_batch_idx"] = False
+    else:
+        cache_args = dict(k_cache=k_cache, v_cache=v_cache,
+                          cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device=d.device) if batch_idx else None)
+    out, lse = flash_attn_with_kvcache(
+        q, **cache_args, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
+        cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=d.device),
+        cache_leftpad=torch.tensor(starts, dtype=torch.int32, device=d.device) if leftpad else None,
+        causal=causal, window_size=window, softcap=softcap, rotary_interleaved=rotary == "interleaved",
+        return_softmax_lse=True)
+    check = Check(dtype)
+    if paged:
+        written_k = cache_args["k_cache"][table.long()].reshape(B, capacity, H_kv, D)
+        written_v = cache_args["v_cache"][table.long()].reshape(B, capacity, H_kv, D)
+    else:
+        written_k, written_v = k_cache, v_cache
+    if not (torch.equal(written_k, expected_k) and torch.equal(written_v, expected_v)):
+        check.failures.append("cache: the in-place writes differ from the expected cache")
+    exact_outs, plain_outs, flash_outs, exact_lses = [], [], [], []
+    aligned = causal or window != (-1, -1)
+    for b in range(B):
+        first, seen = starts[b], seqlens[b] + new
+        keys, values = expected_k[rows[b], first:seen], expected_v[rows[b], first:seen]
+        offsets = torch.arange(Tq, device=d.device) if aligned else torch.zeros(Tq, dtype=torch.long, device=d.device)
+        qb = rotate(q[b], seqlens[b] + offsets)
+        visible = aligned_band(Tq, seen - first, causal, window, d.device)
+        bhtd = [t.transpose(0, 1)[None] for t in (qb, keys, values)]
+        o, lse_b = attend(*bhtd, visible, D ** -0.5, softcap, None, "exact")
+        p, _ = attend(*bhtd, visible, D ** -0.5, softcap, None, "plain")
+        flash_outs.append(attend(*bhtd, visible, D ** -0.5, softcap, None, "flash")[0][0].transpose(0, 1))
+        exact_outs.append(o[0].transpose(0, 1))
+        plain_outs.append(p[0].transpose(0, 1))
+        exact_lses.append(lse_b[0])
+    check.close("out", out, [torch.stack(plain_outs), torch.stack(flash_outs)], torch.stack(exact_outs))
+    check.lse("lse", lse, torch.stack(exact_lses))
+    return check
+
+
+CASES = {"flash_attention": case_flash_attention, "sdpa": case_sdpa, "flash_attn_func": case_flash_attn_func,
+         "flash_attn_varlen_func": case_flash_attn_varlen_func, "flash_attn_with_kvcache": case_flash_attn_with_kvcache}
+
+
+def run_case(seed: int, device: str, max_len: int, targets) -> dict:
+    d = Draw(seed, device, max_len)
+    target = d.pick("target", targets)
+    dtypes = (torch.bfloat16, torch.float16) if device != "cpu" else (torch.bfloat16, torch.float16, torch.float32)
+    dtype = d.pick("dtype", dtypes)
+    record = {"seed": seed, "params": d.params}
+    try:
+        check = CASES[target](d, dtype)
+        record["failures"], record["worst"] = check.failures, check.worst
+    except Exception as e:  # noqa: BLE001 - a raising call is a finding, recorded with its case
+        record["failures"] = [f"raised {type(e).__name__}: {e}"]
+        record["traceback"] = traceback.format_exc(limit=-4)
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cases", type=int, default=200)
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new cases after this long")
+    parser.add_argument("--seed", type=int, default=0, help="case i runs seed SEED + i")
+    parser.add_argument("--only", type=int, default=None, help="run this one case seed again")
+    parser.add_argument("--max-len", type=int, default=None, help="longest drawn sequence (CPU 160, GPU 1200)")
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--out", default=None, help="JSON: every case's parameters and worst error ratios")
+    args = parser.parse_args(argv)
+    targets = tuple(args.targets.split(","))
+    unknown = set(targets) - set(TARGETS)
+    if unknown:
+        parser.error(f"--targets: unknown {sorted(unknown)}; expected some of {list(TARGETS)}")
+    max_len = args.max_len or (160 if args.device == "cpu" else 1200)
+    seeds = [args.only] if args.only is not None else [args.seed + i for i in range(args.cases)]
+    start, records = time.perf_counter(), []
+    for seed in seeds:
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            break
+        record = run_case(seed, args.device, max_len, targets)
+        records.append(record)
+        if record["failures"]:
+            print(f"seed {seed} {record['params']}: {'; '.join(record['failures'])}", flush=True)
+            if args.only is not None and "traceback" in record:
+                print(record["traceback"])
+    failed = [r for r in records if r["failures"]]
+    by_target = {t: sum(r["params"]["target"] == t for r in records) for t in targets}
+    worst = max((max(r["worst"].values(), default=0.0) for r in records if "worst" in r), default=0.0)
+    summary = {"device": args.device, "torch": torch.__version__, "cases": len(records), "failed": len(failed),
+               "by_target": by_target, "worst_error_over_allowed": worst,
+               "seconds": round(time.perf_counter() - start, 1), "max_len": max_len}
+    print(json.dumps(summary))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "cases": records}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
