@@ -7,8 +7,9 @@ same inputs, with the masks built here from their definitions (not from the pack
 
 The rule is flash-attn's own: max |ours - exact| <= 2 max |plain - exact| + atol, where "plain" is the worse of two
 baselines in the inputs' dtype (the same dense attention, and FlashAttention-2's arithmetic without tiles) and atol
-one unit in the last place of that dtype at the exact tensor's largest entry (at least 2^-10; four units in fp32,
-where the baselines compute no coarser than the calls). Rows that see no key are exact: O = 0, lse = -inf, no
+one unit in the last place of that dtype at the exact tensor's largest entry (at least 2^-10; 16 units in fp32,
+where the baselines compute no coarser than the calls, so that 2x leaves no room for scores of 30 or more, whose
+own rounding moves the softmax by ~1e-6). Rows that see no key are exact: O = 0, lse = -inf, no
 gradient. The kv-cache call's in-place writes are checked too.
 
 On the CPU the calls take the reference (the package's tiled PyTorch path); on a GPU the fused kernels, the decoding
@@ -29,6 +30,7 @@ import time
 import traceback
 
 import torch
+import torch.nn.functional as F
 
 from stableflash import (
     SFA,
@@ -38,6 +40,7 @@ from stableflash import (
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
+    route_sdpa,
     sdpa,
 )
 
@@ -162,7 +165,7 @@ class Check:
             return
         bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}[self.dtype]
         scale = max(exact.abs().max().item(), 2.0 ** -10)
-        atol = 2.0 ** (math.floor(math.log2(scale)) - bits) * (4 if self.dtype == torch.float32 else 1)
+        atol = 2.0 ** (math.floor(math.log2(scale)) - bits) * (16 if self.dtype == torch.float32 else 1)
         if terms > 0:
             atol = max(atol, 2.0 ** (math.floor(math.log2(terms)) - 23))
         plain = max((p.detach().cpu().double() - exact).abs().max().item() for p in plains)
@@ -346,7 +349,12 @@ def case_sdpa(d: Draw, dtype):
         attn_mask = torch.randn(L, S, generator=d.gen).to(dtype).to(d.device)
         bias = attn_mask
     qi, ki, vi = _leaves(q, k, v)
-    out = sdpa(qi, ki, vi, attn_mask=attn_mask, is_causal=kind == "causal", scale=scale, enable_gqa=H_kv != H)
+    call = dict(attn_mask=attn_mask, is_causal=kind == "causal", scale=scale, enable_gqa=H_kv != H)
+    if d.pick("routed", (False, True)):  # torch's own function, routed through stableflash for the call
+        with route_sdpa():
+            out = F.scaled_dot_product_attention(qi, ki, vi, **call)
+    else:
+        out = sdpa(qi, ki, vi, **call)
     grads = torch.autograd.grad(out, (qi, ki, vi), dout) if out.numel() else None
     s = scale if scale is not None else D ** -0.5
     batch, unbatch = (_same, _same) if batched else (_batched, _unbatched)

@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores).
 #   research/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf|
-#                                 decode|atomic-dq|breakdown|heads]...
+#                                 decode|atomic-dq|breakdown|heads|sweep]...
 #   (default: tests bench)
 # train: the compiled training step's throughput, sdpa against our kernels, six interleaved rounds
 # profile: a profile of the compiled training step
@@ -17,6 +17,8 @@
 #   shapes; breakdown: the per-kernel device time of both against cuDNN's (research/kernel_breakdown.py)
 # heads: head dims 80, 96 (zero-padded to 128), 160 (to 256) and 256 against 128, ours and SDPA's
 #   (docs/speed-predictions.md)
+# sweep: the random differential sweep of the public calls against a dense fp64 softmax (research/attention_sweep.py),
+#   SWEEP_S seconds (default 240) of fresh cases from SWEEP_SEED (default 0)
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
 set -u
 out=${1:?usage: research/gpu_suite.sh OUTDIR [tests|bench|train]...}
@@ -75,6 +77,9 @@ for part in $parts; do
              --out "$out/attention-heads.json" 2>&1 | grep -v Warning | tee "$out/attention-heads.log" ;;
     breakdown) python3 research/kernel_breakdown.py --out "$out/kernel-breakdown.json" 2>&1 | grep -v Warning \
                  | tee "$out/kernel-breakdown.log" ;;
+    sweep) python3 research/attention_sweep.py --device cuda --budget-s "${SWEEP_S:-240}" --seed "${SWEEP_SEED:-0}" \
+             --cases 1000000 --out "$out/attention-sweep.json" 2>&1 | grep -v Warning | tail -40 \
+             | tee "$out/attention-sweep.log"; status=$((status | PIPESTATUS[0])) ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

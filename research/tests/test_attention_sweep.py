@@ -1,0 +1,45 @@
+"""The random differential sweep (research/attention_sweep.py): fresh cases pass on the CPU, and the sweep sees a
+planted fault."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import attention_sweep  # noqa: E402
+
+
+def test_fresh_cases_pass_against_the_dense_fp64_softmax():
+    """400 cases from a fresh seed every run (printed, so a failure names it: `--seed S --cases 400`)."""
+    seed = int.from_bytes(os.urandom(3), "little")
+    print(f"attention sweep: --seed {seed} --cases 400")
+    records = [attention_sweep.run_case(seed + i, "cpu", 96, attention_sweep.TARGETS) for i in range(400)]
+    failed = [(r["seed"], r["params"], r["failures"]) for r in records if r["failures"]]
+    assert not failed, f"base seed {seed}: {failed[:3]}"
+    assert {r["params"]["target"] for r in records} == set(attention_sweep.TARGETS)
+
+
+@pytest.mark.parametrize("fault", ["top-left causal", "scale", "lse"])
+def test_the_sweep_sees_a_planted_fault(monkeypatch, fault):
+    """flash_attention with a fault of the size real ones have: causal aligned to the top left when Tk != Tq, a
+    scale off by 1%, or a log-sum-exp off by 0.01."""
+    honest = attention_sweep.flash_attention
+
+    def faulty(q, k, v, **kw):
+        if fault == "top-left causal" and kw.get("causal") and k.shape[-2] != q.shape[-2] and kw.get("window") in (
+                None, (-1, -1)):
+            Tq, Tk = (q.shape[1], k.shape[1]) if kw.get("layout") == "bthd" else (q.shape[-2], k.shape[-2])
+            kw = dict(kw, causal=False, attn_mask=torch.ones(Tq, Tk, dtype=torch.bool).tril())
+        if fault == "scale":
+            kw = dict(kw, scale=(kw.get("scale") or q.shape[-1] ** -0.5) * 1.01)
+        result = honest(q, k, v, **kw)
+        if fault == "lse" and kw.get("return_lse"):
+            return result[0], result[1] + 0.01
+        return result
+
+    monkeypatch.setattr(attention_sweep, "flash_attention", faulty)
+    records = [attention_sweep.run_case(i, "cpu", 96, ("flash_attention",)) for i in range(60)]
+    assert sum(bool(r["failures"]) for r in records) >= 5
