@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -31,6 +30,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+from attention_oracle import Check, aligned_band, attend, check_against_exact, rotated
 
 from stableflash import (
     SFA,
@@ -47,175 +47,6 @@ from stableflash import (
 HEAD_DIMS = (8, 16, 24, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256)
 TARGETS = ("flash_attention", "sdpa", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
 
-
-# ---- the oracle -------------------------------------------------------------------------------------------------
-
-def aligned_band(Tq: int, Tk: int, causal: bool, window: tuple[int, int], device) -> torch.Tensor:
-    """(Tq, Tk) bool, True where query i sees key j: flash-attn's bottom-right alignment, j - i - (Tk - Tq) in
-    [-left, right] (-1: unbounded), causal meaning right = 0."""
-    i = torch.arange(Tq, device=device)[:, None]
-    j = torch.arange(Tk, device=device)[None, :]
-    offset = j - i - (Tk - Tq)
-    left, right = window
-    right = 0 if causal else right
-    seen = torch.ones(Tq, Tk, dtype=torch.bool, device=device)
-    if right >= 0:
-        seen &= offset <= right
-    if left >= 0:
-        seen &= offset >= -left
-    return seen
-
-
-def dense(q, k, v, visible, scale: float, softcap: float = 0.0, bias=None, dtype=None):
-    """softmax(S) V in (B, H, T, D), S = scale q kᵀ capped then biased, hidden keys -inf; computed in `dtype` (q's
-    if None). Returns O (rows without keys 0) and the fp64 log-sum-exp of S (-inf there)."""
-    dtype = dtype or q.dtype
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    groups = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    s = (q @ k.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    if bias is not None:
-        s = s + bias.to(dtype)
-    s = s.masked_fill(~visible, -math.inf)
-    empty = torch.isneginf(s).all(-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    return p @ v, torch.logsumexp(s.detach().double(), dim=-1)
-
-
-class FlashPlain(torch.autograd.Function):
-    """FlashAttention-2's arithmetic without tiles, stored in the inputs' dtype: scores and softmax in fp32 from
-    the inputs, P rounded to the dtype for P V, O stored in it; the backward forms δ = rowsum(dO ∘ O) from the
-    stored O, as flash backwards do, and rounds dS to the dtype before its products. A second plain baseline:
-    where the exact gradient is far smaller than the dP - δ it cancels from, the dense dtype autograd can be lucky,
-    and a flash backward's error is that of δ from the rounded O."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, visible, scale, softcap, bias):
-        f = torch.promote_types(q.dtype, torch.float32)
-        groups = q.shape[1] // k.shape[1]
-        Q, K, V = q.to(f), k.repeat_interleave(groups, 1).to(f), v.repeat_interleave(groups, 1).to(f)
-        s = Q @ K.transpose(-1, -2) * scale
-        tanh = None
-        if softcap > 0:
-            tanh = torch.tanh(s / softcap)
-            s = softcap * tanh
-        if bias is not None:
-            s = s + bias.to(f)
-        s = s.masked_fill(~visible, -math.inf)
-        m = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_full((*s.shape[:-1], 1), -math.inf)
-        empty = torch.isneginf(m)
-        p = torch.exp(s - m.masked_fill(empty, 0.0))
-        l = p.sum(-1, keepdim=True)
-        probs = torch.where(empty, 0.0, p / l.masked_fill(empty, 1.0))
-        o = torch.where(empty, 0.0, (p.to(q.dtype).to(f) @ V) / l.masked_fill(empty, 1.0)).to(q.dtype)
-        ctx.save_for_backward(Q, K, V, probs, o, tanh)
-        ctx.shape, ctx.groups, ctx.scale = k.shape, groups, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, dout):
-        Q, K, V, probs, o, tanh = ctx.saved_tensors
-        f, dtype = Q.dtype, o.dtype
-        dO = dout.to(f)
-        delta = (dO * o.to(f)).sum(-1, keepdim=True)
-        ds = probs * (dO @ V.transpose(-1, -2) - delta)
-        if tanh is not None:
-            ds = ds * (1 - tanh * tanh)
-        ds = ds.to(dtype).to(f)
-        dq = ctx.scale * ds @ K
-        dk = ctx.scale * ds.transpose(-1, -2) @ Q
-        dv = probs.to(dtype).to(f).transpose(-1, -2) @ dO
-        B, H_kv, Tk, D = ctx.shape
-        dk, dv = (t.reshape(B, H_kv, ctx.groups, Tk, t.shape[-1]).sum(2) for t in (dk, dv))
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None
-
-
-def attend(q, k, v, visible, scale: float, softcap: float, bias, how: str):
-    """The oracle ("exact": fp64) or a baseline ("plain": dense in the inputs' dtype; "flash": `FlashPlain`)."""
-    if how == "flash":
-        return FlashPlain.apply(q, k, v, visible.expand(q.shape[0], q.shape[1], -1, -1), scale, softcap, bias), None
-    return dense(q, k, v, visible, scale, softcap, bias, torch.float64 if how == "exact" else None)
-
-
-class Check:
-    """flash-attn's comparison rule, recorded per tensor."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-        self.worst: dict[str, float] = {}
-        self.failures: list[str] = []
-
-    def close(self, name, ours, plains, exact, terms: float = 0.0):
-        """`terms`: the size of the fp32 terms that cancel in this tensor (a gradient's dP - δ), whose rounding
-        the atol also allows (one fp32 unit there): a row with one visible key has dQ = 0 exactly, which the plain
-        dense backward gives but a flash backward, forming δ apart from dP, does not."""
-        if ours is None:
-            self.failures.append(f"{name}: missing")
-            return
-        ours, exact = ours.detach().cpu().double(), exact.detach().cpu().double()
-        if ours.shape != exact.shape:
-            self.failures.append(f"{name}: shape {tuple(ours.shape)}, expected {tuple(exact.shape)}")
-            return
-        if not torch.isfinite(ours).all():
-            self.failures.append(f"{name}: {int((~torch.isfinite(ours)).sum())} non-finite values")
-            return
-        if exact.numel() == 0:
-            return
-        bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}[self.dtype]
-        scale = max(exact.abs().max().item(), 2.0 ** -10)
-        atol = 2.0 ** (math.floor(math.log2(scale)) - bits) * (16 if self.dtype == torch.float32 else 1)
-        if terms > 0:
-            atol = max(atol, 2.0 ** (math.floor(math.log2(terms)) - 23))
-        plain = max((p.detach().cpu().double() - exact).abs().max().item() for p in plains)
-        err, allowed = (ours - exact).abs().max().item(), 2 * plain + atol
-        self.worst[name] = max(self.worst.get(name, 0.0), err / allowed)
-        if err > allowed:
-            self.failures.append(f"{name}: max error {err:.3g} > allowed {allowed:.3g}")
-
-    def lse(self, name, ours, exact):
-        """-inf exactly where the exact one is; elsewhere within 1e-3 relative (scores in fp32 or wider)."""
-        ours, exact = ours.detach().cpu().double(), exact.detach().cpu().double()
-        if ours.shape != exact.shape:
-            self.failures.append(f"{name}: shape {tuple(ours.shape)}, expected {tuple(exact.shape)}")
-            return
-        if not torch.equal(torch.isneginf(ours), torch.isneginf(exact)):
-            self.failures.append(f"{name}: -inf at other rows than the exact one's")
-            return
-        finite = torch.isfinite(exact)
-        if finite.any():
-            err = ((ours - exact).abs() / (1 + exact.abs()))[finite].max().item()
-            self.worst[name] = max(self.worst.get(name, 0.0), err / 1e-3)
-            if err > 1e-3:
-                self.failures.append(f"{name}: relative error {err:.3g} > 1e-3")
-
-
-def check_against_exact(check, ours_out, ours_grads, inputs, oracle, dout, grad_names, to_ours):
-    """Output and gradients of a call against the fp64 oracle and the plain baselines: `oracle(how)` takes the
-    call's leaves and gives (O, lse) in (B, H, T, D) form, `to_ours` maps that to the call's layout, and the
-    gradients come back through autograd. Returns the exact lse."""
-    exact_leaves = [t.detach().double().requires_grad_() for t in inputs]
-    exact_out, exact_lse = oracle("exact")(*exact_leaves)
-    plains = []
-    for how in ("plain", "flash"):
-        leaves = [t.detach().clone().requires_grad_() for t in inputs]
-        plains.append((leaves, oracle(how)(*leaves)[0]))
-    check.close("out", ours_out, [to_ours(out) for _, out in plains], to_ours(exact_out))
-    if ours_grads is not None:
-        q, k, v = (t.detach().double().abs().max().item() if t.numel() else 0.0 for t in inputs)
-        terms = dout.detach().double().abs().max().item() * v * max(q, k) * (inputs[0].shape[-1] ** 0.5) \
-            if dout.numel() else 0.0
-        exact_grads = torch.autograd.grad(to_ours(exact_out), exact_leaves, dout.double(), allow_unused=True)
-        plain_grads = [torch.autograd.grad(to_ours(out), leaves, dout, allow_unused=True) for leaves, out in plains]
-        for i, (name, o, e) in enumerate(zip(grad_names, ours_grads, exact_grads)):
-            zero = torch.zeros_like(inputs[i] if e is None else e)
-            check.close(name, o, [zero if g[i] is None else g[i] for g in plain_grads], zero if e is None else e,
-                        terms)
-    return exact_lse
-
-
-# ---- the cases --------------------------------------------------------------------------------------------------
 
 class Draw:
     def __init__(self, seed: int, device: str, max_len: int):
@@ -461,107 +292,75 @@ def case_flash_attn_with_kvcache(d: Draw, dtype):
     B, (H, H_kv), D = d.pick("B", (1, 2, 3)), d.heads(), d.pick("D", HEAD_DIMS)
     Tq = d.pick("Tq", (1, 1, 2, 5))
     new = d.pick("new", (0, 0, 1, Tq))
+    page = d.pick("page", (None, None, 8, 16))  # None: a cache row per sequence, else pages through a block table
     capacity = d.length("capacity") + new + 8
+    capacity = capacity if page is None else -(-capacity // page) * page
     d.params["capacity"] = capacity
-    paged = d.pick("paged", (False, False, True))
-    if paged:
-        page = d.pick("page", (8, 16))
-        capacity = -(-capacity // page) * page
     seqlens = [d.rng.randint(0, capacity - new) for _ in range(B)]
-    d.params["cache_seqlens"] = seqlens
-    leftpad = d.pick("leftpad", (False, False, True))
-    starts = [d.rng.randint(0, s + new) if leftpad else 0 for s in seqlens]
-    d.params["starts"] = starts
-    batch_idx = d.pick("cache_batch_idx", (False, False, True))
-    rows = list(range(B))
-    if batch_idx:
+    starts = [d.rng.randint(0, s + new) for s in seqlens] if d.pick("leftpad", (False, False, True)) else None
+    rows = list(range(B))  # each sequence's cache row (cache_batch_idx; flash-attn takes it without pages only)
+    if page is None and d.pick("cache_batch_idx", (False, False, True)):
         d.rng.shuffle(rows)
+    d.params.update(cache_seqlens=seqlens, starts=starts, rows=rows)
     causal, window = d.pick("causal", (True, False)), d.window()
     softcap = d.pick("softcap", (0.0, 0.0, 10.0))
-    rotary = d.pick("rotary", ("none", "none", "interleaved", "halves"))
+    rotary = d.pick("rotary", ("none", "none", "interleaved", "halves")) if D >= 4 else "none"
     q = d.tensor(B, Tq, H, D, dtype=dtype)
     k_cache, v_cache = d.tensor(B, capacity, H_kv, D, dtype=dtype), d.tensor(B, capacity, H_kv, D, dtype=dtype)
-    k_new = d.tensor(B, new, H_kv, D, dtype=dtype) if new else None
-    v_new = d.tensor(B, new, H_kv, D, dtype=dtype) if new else None
+    k_new, v_new = (d.tensor(B, new, H_kv, D, dtype=dtype) if new else None for _ in range(2))
     cos = sin = None
-    R = 2 * (D // 4) if D >= 4 else 0
-    if rotary != "none" and R:
+    if rotary != "none":
+        R = 2 * (D // 4)
         angles = torch.arange(capacity + Tq + 1.0)[:, None] * (1e-2 * torch.arange(1, R // 2 + 1.0))[None]
         cos, sin = angles.cos().to(dtype).to(d.device), angles.sin().to(dtype).to(d.device)
-    else:
-        rotary = "none"
-        d.params["rotary"] = "none"
-
-    def rotate(x, positions):  # x (T, H, D) at positions (T,)
-        if rotary == "none":
-            return x
-        wide = torch.promote_types(x.dtype, torch.float32)
-        c, s_ = cos[positions].to(wide)[:, None], sin[positions].to(wide)[:, None]
-        head = x[..., :R].to(wide)
-        x1, x2 = (head[..., 0::2], head[..., 1::2]) if rotary == "interleaved" else head.chunk(2, dim=-1)
-        y1, y2 = x1 * c - x2 * s_, x1 * s_ + x2 * c
-        turned = torch.stack((y1, y2), -1).flatten(-2) if rotary == "interleaved" else torch.cat((y1, y2), -1)
-        return torch.cat((turned.to(x.dtype), x[..., R:]), -1)
 
     # what the cache holds after the call, built here: the new keys (rotated) written after each sequence's keys
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     for b in range(B):
+        written = slice(seqlens[b], seqlens[b] + new)
         if new:
-            positions = torch.arange(seqlens[b], seqlens[b] + new, device=d.device)
-            expected_k[rows[b], seqlens[b]:seqlens[b] + new] = rotate(k_new[b], positions)
-            expected_v[rows[b], seqlens[b]:seqlens[b] + new] = v_new[b]
-    if paged:
-        pages = capacity // page
-        order = list(range(B * pages))
-        d.rng.shuffle(order)
-        table = torch.tensor(order, dtype=torch.int32).reshape(B, pages)
-        pool_k = torch.zeros(B * pages, page, H_kv, D, dtype=dtype, device=d.device)
-        pool_v = torch.zeros_like(pool_k)
-        for b in range(B):  # sequence b's cache row rows[b] on its pages (cache_batch_idx is not taken with pages)
-            pool_k[table[b].long()] = k_cache[b].reshape(pages, page, H_kv, D)
-            pool_v[table[b].long()] = v_cache[b].reshape(pages, page, H_kv, D)
-        rows = list(range(B))
-        expected_k, expected_v = k_cache.clone(), v_cache.clone()
-        for b in range(B):
-            if new:
-                positions = torch.arange(seqlens[b], seqlens[b] + new, device=d.device)
-                expected_k[b, seqlens[b]:seqlens[b] + new] = rotate(k_new[b], positions)
-                expected_v[b, seqlens[b]:seqlens[b] + new] = v_new[b]
-        cache_args = dict(k_cache=pool_k, v_cache=pool_v, block_table=table.to(d.device))
-        d.params["cache_batch_idx"] = False
-    else:
+            expected_k[rows[b], written] = rotated(k_new[b], torch.arange(written.start, written.stop,
+                                                                          device=d.device), cos, sin, rotary)
+            expected_v[rows[b], written] = v_new[b]
+    if page is None:
         cache_args = dict(k_cache=k_cache, v_cache=v_cache,
-                          cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device=d.device) if batch_idx else None)
+                          cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device=d.device)
+                          if rows != list(range(B)) else None)
+    else:  # each sequence's row cut into pages, the pages shuffled in one pool
+        order = list(range(B * (capacity // page)))
+        d.rng.shuffle(order)
+        table = torch.tensor(order, dtype=torch.int32, device=d.device).reshape(B, -1).long()
+        pool_k, pool_v = (torch.zeros(len(order), page, H_kv, D, dtype=dtype, device=d.device) for _ in range(2))
+        pool_k[table], pool_v[table] = (c.reshape(B, -1, page, H_kv, D) for c in (k_cache, v_cache))
+        cache_args = dict(k_cache=pool_k, v_cache=pool_v, block_table=table.int())
     out, lse = flash_attn_with_kvcache(
         q, **cache_args, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
         cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=d.device),
-        cache_leftpad=torch.tensor(starts, dtype=torch.int32, device=d.device) if leftpad else None,
+        cache_leftpad=None if starts is None else torch.tensor(starts, dtype=torch.int32, device=d.device),
         causal=causal, window_size=window, softcap=softcap, rotary_interleaved=rotary == "interleaved",
         return_softmax_lse=True)
     check = Check(dtype)
-    if paged:
-        written_k = cache_args["k_cache"][table.long()].reshape(B, capacity, H_kv, D)
-        written_v = cache_args["v_cache"][table.long()].reshape(B, capacity, H_kv, D)
-    else:
-        written_k, written_v = k_cache, v_cache
+    written_k, written_v = ((k_cache, v_cache) if page is None else
+                            (pool[table].reshape(B, capacity, H_kv, D) for pool in (pool_k, pool_v)))
     if not (torch.equal(written_k, expected_k) and torch.equal(written_v, expected_v)):
         check.failures.append("cache: the in-place writes differ from the expected cache")
-    exact_outs, plain_outs, flash_outs, exact_lses = [], [], [], []
+    # each sequence's queries (rotated at their positions when causal or windowed, else all at the cache's end)
+    # against its keys from its left padding on, causal to its own last key
+    outs = {"exact": [], "plain": [], "flash": []}
+    exact_lses = []
     aligned = causal or window != (-1, -1)
     for b in range(B):
-        first, seen = starts[b], seqlens[b] + new
-        keys, values = expected_k[rows[b], first:seen], expected_v[rows[b], first:seen]
+        first, seen = (0 if starts is None else starts[b]), seqlens[b] + new
         offsets = torch.arange(Tq, device=d.device) if aligned else torch.zeros(Tq, dtype=torch.long, device=d.device)
-        qb = rotate(q[b], seqlens[b] + offsets)
+        qb = rotated(q[b], seqlens[b] + offsets, cos, sin, rotary)
+        bhtd = [_from_packed(t) for t in (qb, expected_k[rows[b], first:seen], expected_v[rows[b], first:seen])]
         visible = aligned_band(Tq, seen - first, causal, window, d.device)
-        bhtd = [t.transpose(0, 1)[None] for t in (qb, keys, values)]
-        o, lse_b = attend(*bhtd, visible, D ** -0.5, softcap, None, "exact")
-        p, _ = attend(*bhtd, visible, D ** -0.5, softcap, None, "plain")
-        flash_outs.append(attend(*bhtd, visible, D ** -0.5, softcap, None, "flash")[0][0].transpose(0, 1))
-        exact_outs.append(o[0].transpose(0, 1))
-        plain_outs.append(p[0].transpose(0, 1))
-        exact_lses.append(lse_b[0])
-    check.close("out", out, [torch.stack(plain_outs), torch.stack(flash_outs)], torch.stack(exact_outs))
+        for how in outs:
+            o, lse_b = attend(*bhtd, visible, D ** -0.5, softcap, None, how)
+            outs[how].append(_to_packed(o))
+            if how == "exact":
+                exact_lses.append(lse_b[0])
+    check.close("out", out, [torch.stack(outs["plain"]), torch.stack(outs["flash"])], torch.stack(outs["exact"]))
     check.lse("lse", lse, torch.stack(exact_lses))
     return check
 
@@ -621,7 +420,7 @@ def main(argv=None) -> int:
     print(json.dumps(summary))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"summary": summary, "cases": records}, f, indent=1)
+            json.dump({"summary": summary, "cases": records}, f)
     return 1 if failed else 0
 
 

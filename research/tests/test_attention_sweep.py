@@ -1,5 +1,5 @@
-"""The random differential sweep (research/attention_sweep.py): fresh cases pass on the CPU, and the sweep sees a
-planted fault."""
+"""The random differential sweep (research/attention_sweep.py): fresh cases pass on the CPU, and the sweep sees
+planted faults."""
 
 import os
 import sys
@@ -43,3 +43,16 @@ def test_the_sweep_sees_a_planted_fault(monkeypatch, fault):
     monkeypatch.setattr(attention_sweep, "flash_attention", faulty)
     records = [attention_sweep.run_case(i, "cpu", 96, ("flash_attention",)) for i in range(60)]
     assert sum(bool(r["failures"]) for r in records) >= 5
+
+
+def test_the_sweep_sees_rotary_pairs_swapped_in_the_kv_cache_call(monkeypatch):
+    honest = attention_sweep.flash_attn_with_kvcache
+
+    def swapped(*args, rotary_interleaved=True, **kw):
+        return honest(*args, rotary_interleaved=not rotary_interleaved, **kw)
+
+    monkeypatch.setattr(attention_sweep, "flash_attn_with_kvcache", swapped)
+    records = [attention_sweep.run_case(i, "cpu", 96, ("flash_attn_with_kvcache",)) for i in range(80)]
+    rotary = [r for r in records if r["params"]["rotary"] != "none"]
+    assert len(rotary) >= 20 and sum(bool(r["failures"]) for r in rotary) >= len(rotary) // 2
+    assert not any(r["failures"] for r in records if r["params"]["rotary"] == "none")
