@@ -24,19 +24,24 @@ def aligned_band(Tq: int, Tk: int, causal: bool, window: tuple[int, int], device
     return seen
 
 
-def dense(q, k, v, visible, scale: float, softcap: float = 0.0, bias=None, dtype=None):
-    """softmax(S) V in (B, H, T, D), S = scale q kᵀ capped then biased, hidden keys -inf; computed in `dtype` (q's
-    if None). Returns O (rows without keys 0) and the fp64 log-sum-exp of S (-inf there)."""
+def scores(q, k, visible, scale: float, softcap: float = 0.0, bias=None, dtype=None):
+    """S = scale q kᵀ, capped, then biased, hidden keys -inf: (B, H, Tq, Tk) in `dtype` (q's if None)."""
     dtype = dtype or q.dtype
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    groups = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    s = (q @ k.transpose(-1, -2)) * scale
+    k = k.to(dtype).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     if bias is not None:
         s = s + bias.to(dtype)
-    s = s.masked_fill(~visible, -math.inf)
+    return s.masked_fill(~visible, -math.inf)
+
+
+def dense(q, k, v, visible, scale: float, softcap: float = 0.0, bias=None, dtype=None):
+    """softmax(S) V in (B, H, T, D) (`scores`), computed in `dtype` (q's if None). Returns O (rows without keys 0)
+    and the fp64 log-sum-exp of S (-inf there)."""
+    dtype = dtype or q.dtype
+    s = scores(q, k, visible, scale, softcap, bias, dtype)
+    v = v.to(dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     empty = torch.isneginf(s).all(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     return p @ v, torch.logsumexp(s.detach().double(), dim=-1)
@@ -147,6 +152,32 @@ class Check:
             self.worst[name] = max(self.worst.get(name, 0.0), err / 1e-3)
             if err > 1e-3:
                 self.failures.append(f"{name}: relative error {err:.3g} > 1e-3")
+
+
+def check_statistics(check, stats, exact_scores, stabilized: bool) -> None:
+    """An `AttentionStats` filled by one call, against what holds whatever the tiles: every query row counted;
+    positive repeated-max rows within repeated-max rows within rows, and biasable rows within repeated-max rows;
+    without a stabilizer, at least one P̄ = 1 per row that sees a key; the largest score the exact one's, within
+    fp32 rounding of the scores."""
+    B, H, Tq, _ = exact_scores.shape
+    rows, repeated = stats.rows.cpu(), stats.repeated_max_rows.cpu()
+    if not torch.equal(rows, torch.full((H,), B * Tq)):
+        check.failures.append(f"stats.rows: {rows.tolist()}, expected {B * Tq} per head")
+    if not ((stats.repeated_max_rows_positive.cpu() <= repeated) & (repeated <= rows)
+            & (stats.biasable_rows.cpu() <= repeated)).all():
+        check.failures.append(f"stats: counters out of order {stats.to_dict()}")
+    finite = torch.isfinite(exact_scores)
+    seeing = finite.any(-1).sum(dim=(0, 2)).cpu()
+    if not stabilized and (stats.pbar_ones.cpu() < seeing).any():
+        check.failures.append(f"stats.pbar_ones: {stats.pbar_ones.tolist()}, fewer than the rows that see a key "
+                              f"{seeing.tolist()}")
+    exact = exact_scores.masked_fill(~finite, -math.inf).amax(dim=(0, 2, 3)).cpu() if exact_scores.shape[-1] \
+        else torch.full((H,), -math.inf, dtype=torch.float64)
+    ours = stats.max_score.cpu().double()
+    same_inf = torch.equal(torch.isneginf(ours), torch.isneginf(exact))
+    finite_heads = torch.isfinite(exact)
+    if not same_inf or ((ours - exact).abs() > 1e-4 * (1 + exact.abs()))[finite_heads].any():
+        check.failures.append(f"stats.max_score: {ours.tolist()}, exact {exact.tolist()}")
 
 
 def check_against_exact(check, ours_out, ours_grads, inputs, oracle, dout, grad_names, to_ours):

@@ -30,10 +30,11 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from attention_oracle import Check, aligned_band, attend, check_against_exact, rotated
+from attention_oracle import Check, aligned_band, attend, check_against_exact, check_statistics, rotated, scores
 
 from stableflash import (
     SFA,
+    AttentionStats,
     flash_attention,
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -127,6 +128,7 @@ def case_flash_attention(d: Draw, dtype):
     mask_kind = d.pick("attn_mask", ("none", "none", "none", "bool", "float"))
     scale = d.pick("scale", (None, None, 0.3))
     return_lse = d.pick("return_lse", (True, False))
+    stats = AttentionStats(H) if d.pick("stats", (False, False, True)) else None
     q = d.tensor(B, H, Tq, D, dtype=dtype, magnitude=magnitude)
     k, v = d.tensor(B, H_kv, Tk, D, dtype=dtype, magnitude=magnitude), d.tensor(B, H_kv, Tk, D, dtype=dtype)
     dout = d.tensor(B, H, Tq, D, dtype=dtype)
@@ -145,7 +147,8 @@ def case_flash_attention(d: Draw, dtype):
     to_layout = _swap_t_and_h if layout == "bthd" else _same
     qi, ki, vi = _leaves(*(to_layout(t).contiguous() for t in (q, k, v)))
     result = flash_attention(qi, ki, vi, causal=causal, window=window, key_padding_mask=padding, attn_mask=attn_mask,
-                             softcap=softcap, stabilize=stabilize, scale=scale, return_lse=return_lse, layout=layout)
+                             softcap=softcap, stabilize=stabilize, scale=scale, return_lse=return_lse, layout=layout,
+                             stats=stats)
     out, lse = result if return_lse else (result, None)
     grads = torch.autograd.grad(out, (qi, ki, vi), to_layout(dout))
     check = Check(dtype)
@@ -156,6 +159,8 @@ def case_flash_attention(d: Draw, dtype):
                                     to_layout)
     if return_lse:
         check.lse("lse", lse, exact_lse)
+    if stats is not None:
+        check_statistics(check, stats, scores(q.double(), k.double(), visible, s, softcap, bias), stabilize is not None)
     return check
 
 

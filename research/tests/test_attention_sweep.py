@@ -22,10 +22,10 @@ def test_fresh_cases_pass_against_the_dense_fp64_softmax():
     assert {r["params"]["target"] for r in records} == set(attention_sweep.TARGETS)
 
 
-@pytest.mark.parametrize("fault", ["top-left causal", "scale", "lse"])
+@pytest.mark.parametrize("fault", ["top-left causal", "scale", "lse", "stats"])
 def test_the_sweep_sees_a_planted_fault(monkeypatch, fault):
     """flash_attention with a fault of the size real ones have: causal aligned to the top left when Tk != Tq, a
-    scale off by 1%, or a log-sum-exp off by 0.01."""
+    scale off by 1%, a log-sum-exp off by 0.01, or a largest score 1% high in the statistics."""
     honest = attention_sweep.flash_attention
 
     def faulty(q, k, v, **kw):
@@ -36,6 +36,8 @@ def test_the_sweep_sees_a_planted_fault(monkeypatch, fault):
         if fault == "scale":
             kw = dict(kw, scale=(kw.get("scale") or q.shape[-1] ** -0.5) * 1.01)
         result = honest(q, k, v, **kw)
+        if fault == "stats" and kw.get("stats") is not None:
+            kw["stats"].max_score.mul_(1.01)
         if fault == "lse" and kw.get("return_lse"):
             return result[0], result[1] + 0.01
         return result
