@@ -1,7 +1,10 @@
+import math
+
 import pytest
 import torch
 
 from stableflash.numerics import BF16, FP8_E4M3, FP8_E5M2, FP16, round_to
+from stableflash.numerics.formats import NARROW_BF16
 
 
 def _samples(n=20000, seed=0):
@@ -77,3 +80,60 @@ def test_counter_bits_give_unbiased_reproducible_stochastic_rounding():
     x = torch.full((200_000,), 1.0 + 2**-6, dtype=torch.float32)  # a quarter of e8m4's spacing above 1
     rounded = round_to(x, "e8m4", "stochastic", noise=noise)
     assert abs(rounded.mean().item() - x[0].item()) < 2e-4  # unbiased: round_to to nearest would give 1.0
+
+
+def _representable(fmt) -> torch.Tensor:
+    """Every finite value >= 0 of a format, ascending, from torch's own dtypes' bit patterns (not this library's
+    formats): bf16, fp16 and fp8 as they are; e8mN as the bf16 values whose low 7 - N fraction bits are 0."""
+    if fmt.torch_dtype is not None:
+        width = torch.finfo(fmt.torch_dtype).bits
+        patterns = torch.arange(2 ** (width - 1), dtype=torch.int32)  # the sign bit 0
+        view = {8: torch.uint8, 16: torch.int16}[width]
+        values = patterns.to(view).view(fmt.torch_dtype).double()
+    else:
+        patterns = torch.arange(2**15, dtype=torch.int32)
+        patterns = patterns[patterns % 2 ** (7 - fmt.fraction_bits) == 0]
+        values = patterns.to(torch.int16).view(torch.bfloat16).double()
+    return values[torch.isfinite(values)]
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP16, FP8_E4M3, FP8_E5M2, *NARROW_BF16], ids=lambda f: f.name)
+def test_every_mode_gives_the_neighbour_a_brute_force_search_gives(fmt):
+    """x against the sorted list of the format's values: nearest (ties to the even pattern; past the largest value
+    plus half a spacing infinity, NaN without one), toward zero, up and down (past the largest value: infinity on
+    the side rounded to, the largest value on the other), on random magnitudes through the subnormals, exact
+    midpoints, the values themselves and values past the range."""
+    values = _representable(fmt)
+    top, spacing = values[-1].item(), (values[-1] - values[-2]).item()
+    g = torch.Generator().manual_seed(7)
+    n = 4000
+    lowest = values[1].log2().item()
+    magnitudes = torch.exp2(torch.rand(n, generator=g, dtype=torch.float64) * (math.log2(top) + 2 - lowest) + lowest)
+    pick = torch.randint(0, len(values) - 1, (n,), generator=g)
+    midpoints = (values[pick] + values[pick + 1]) / 2
+    x = torch.cat([magnitudes, midpoints, values[pick], torch.tensor([top + spacing / 2, top + spacing / 4])])
+    x = torch.cat([x, -x])
+    a = x.abs()
+    upper_i = torch.searchsorted(values, a).clamp(max=len(values) - 1)  # first value >= |x|
+    exact = values[upper_i] == a
+    lower_i = torch.where(exact, upper_i, upper_i - 1)
+    past = a > top
+    lower = torch.where(past, top, values[lower_i])
+    upper = torch.where(past, math.inf, values[upper_i])
+    # past the largest value, nearest rounds as if the format went on by one spacing, that next pattern odd or even
+    # in turn, and gives infinity where it would take it: e4m3's largest value is even, so 464 gives 448
+    below = a - lower
+    above = torch.where(past, top + spacing - a, upper - a)
+    even_lower = torch.where(past, (len(values) - 1) % 2 == 0, lower_i % 2 == 0)
+    takes_lower = (below < above) | ((below == above) & even_lower)
+    nearest = torch.where(takes_lower, lower, torch.where(past, math.inf, upper))
+    sign = torch.sign(x)
+    expected = {"nearest": sign * nearest, "toward_zero": sign * lower,
+                "up": torch.where(x >= 0, upper, -lower), "down": torch.where(x >= 0, lower, -upper)}
+    for mode, want in expected.items():
+        if not fmt.has_inf:
+            want = torch.where(torch.isinf(want), math.nan, want)
+        got = round_to(x, fmt, mode)
+        bad = ~((got == want) | (torch.isnan(got) & torch.isnan(want)))
+        assert not bad.any(), (f"{fmt.name} {mode}: {int(bad.sum())} of {len(x)} differ, e.g. x = {x[bad][:3].tolist()}"
+                               f" gave {got[bad][:3].tolist()}, expected {want[bad][:3].tolist()}")
