@@ -87,6 +87,24 @@ class Draw:
     def tensor(self, *shape, dtype, magnitude=1.0):
         return (torch.randn(*shape, generator=self.gen) * magnitude).to(dtype).to(self.device)
 
+    def memory(self):
+        return self.pick("memory", ("contiguous", "contiguous", "sliced", "permuted"))
+
+
+def stored(t: torch.Tensor, memory: str) -> torch.Tensor:
+    """A 4-D t's values in other memory: "sliced", a view into a larger tensor (one more of dim 1, eight more of the
+    last) whose other entries are NaN, so that a read outside the view shows in the output; "permuted", stored in
+    (0, 2, 1, 3) order. A leaf, as the call's inputs are."""
+    if memory == "sliced":
+        base = torch.full((t.shape[0], t.shape[1] + 1, t.shape[2], t.shape[3] + 8), float("nan"), dtype=t.dtype,
+                          device=t.device)
+        view = base[:, 1:, :, 3:3 + t.shape[3]]
+        view.copy_(t)
+        return view
+    if memory == "permuted":
+        return t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    return t.contiguous()
+
 
 def _same(t):
     return t
@@ -129,6 +147,7 @@ def case_flash_attention(d: Draw, dtype):
     scale = d.pick("scale", (None, None, 0.3))
     return_lse = d.pick("return_lse", (True, False))
     stats = AttentionStats(H) if d.pick("stats", (False, False, True)) else None
+    memory, with_grad = d.memory(), d.pick("grad", (True, True, True, False))
     q = d.tensor(B, H, Tq, D, dtype=dtype, magnitude=magnitude)
     k, v = d.tensor(B, H_kv, Tk, D, dtype=dtype, magnitude=magnitude), d.tensor(B, H_kv, Tk, D, dtype=dtype)
     dout = d.tensor(B, H, Tq, D, dtype=dtype)
@@ -145,12 +164,13 @@ def case_flash_attention(d: Draw, dtype):
         bias = attn_mask
     s = scale if scale is not None else D ** -0.5
     to_layout = _swap_t_and_h if layout == "bthd" else _same
-    qi, ki, vi = _leaves(*(to_layout(t).contiguous() for t in (q, k, v)))
-    result = flash_attention(qi, ki, vi, causal=causal, window=window, key_padding_mask=padding, attn_mask=attn_mask,
-                             softcap=softcap, stabilize=stabilize, scale=scale, return_lse=return_lse, layout=layout,
-                             stats=stats)
+    qi, ki, vi = _leaves(*(stored(to_layout(t), memory) for t in (q, k, v)))
+    with torch.set_grad_enabled(with_grad):  # without: on a GPU, few queries against more keys take the decoding kernel
+        result = flash_attention(qi, ki, vi, causal=causal, window=window, key_padding_mask=padding,
+                                 attn_mask=attn_mask, softcap=softcap, stabilize=stabilize, scale=scale,
+                                 return_lse=return_lse, layout=layout, stats=stats)
     out, lse = result if return_lse else (result, None)
-    grads = torch.autograd.grad(out, (qi, ki, vi), to_layout(dout))
+    grads = torch.autograd.grad(out, (qi, ki, vi), to_layout(dout)) if with_grad else None
     check = Check(dtype)
 
     def oracle(how):
@@ -213,11 +233,12 @@ def case_flash_attn_func(d: Draw, dtype):
         d.params["H_kv"] = H
     causal, window = d.pick("causal", (True, False)), d.window()
     softcap = d.pick("softcap", (0.0, 0.0, 10.0))
+    memory = d.memory() if packing == "none" else "contiguous"
     q = d.tensor(B, Tq, H, D, dtype=dtype)
     k, v = d.tensor(B, Tk, H_kv, D, dtype=dtype), d.tensor(B, Tk, H_kv, D, dtype=dtype)
     dout = d.tensor(B, Tq, H, D, dtype=dtype)
     common = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True)
-    qi, ki, vi = _leaves(q, k, v)
+    qi, ki, vi = _leaves(*(stored(t, memory) for t in (q, k, v)))
     if packing == "none":
         out, lse, _ = flash_attn_func(qi, ki, vi, **common)
     elif packing == "kv":

@@ -22,10 +22,11 @@ def test_fresh_cases_pass_against_the_dense_fp64_softmax():
     assert {r["params"]["target"] for r in records} == set(attention_sweep.TARGETS)
 
 
-@pytest.mark.parametrize("fault", ["top-left causal", "scale", "lse", "stats"])
+@pytest.mark.parametrize("fault", ["top-left causal", "scale", "lse", "stats", "strides"])
 def test_the_sweep_sees_a_planted_fault(monkeypatch, fault):
     """flash_attention with a fault of the size real ones have: causal aligned to the top left when Tk != Tq, a
-    scale off by 1%, a log-sum-exp off by 0.01, or a largest score 1% high in the statistics."""
+    scale off by 1%, a log-sum-exp off by 0.01, a largest score 1% high in the statistics, or q read as if it were
+    contiguous (a kernel that ignores a stride)."""
     honest = attention_sweep.flash_attention
 
     def faulty(q, k, v, **kw):
@@ -33,6 +34,8 @@ def test_the_sweep_sees_a_planted_fault(monkeypatch, fault):
                 None, (-1, -1)):
             Tq, Tk = (q.shape[1], k.shape[1]) if kw.get("layout") == "bthd" else (q.shape[-2], k.shape[-2])
             kw = dict(kw, causal=False, attn_mask=torch.ones(Tq, Tk, dtype=torch.bool).tril())
+        if fault == "strides" and not q.is_contiguous():
+            q = torch.as_strided(q, q.shape, torch.empty(q.shape).stride(), q.storage_offset())
         if fault == "scale":
             kw = dict(kw, scale=(kw.get("scale") or q.shape[-1] ** -0.5) * 1.01)
         result = honest(q, k, v, **kw)
