@@ -260,3 +260,16 @@ def test_a_requested_split_count_is_taken_and_a_bad_one_refused(monkeypatch):
     assert (one.float() - two.float()).abs().max() < 2e-2
     with pytest.raises(ValueError, match="splits: expected an int >= 0"):
         decode_attention(cache.q, cache.k, cache.v, splits=-1, **kw)
+
+
+def test_inputs_whose_head_dim_is_strided_give_the_contiguous_inputs_bits():
+    """q and the caches as every other element of wider tensors (the head dim's stride 2): the kernel addresses the
+    head dim as contiguous, so the call reads such inputs through contiguous copies (q's output in q's shape)."""
+    cache = _Cache(2, 2, 4, 2, 32, False, True, torch.bfloat16, 3).on(DEVICE)
+    kw = dict(seen=cache.seen, first=cache.first, cache_rows=cache.rows, scale=0.2, causal=True)
+    out, lse = decode_attention(cache.q, cache.k, cache.v, **kw)
+    q, k, v = (torch.stack([t, torch.full_like(t, float("nan"))], dim=-1).flatten(-2)[..., ::2]
+               for t in (cache.q, cache.k, cache.v))
+    assert q.stride(-1) == 2 and torch.equal(q, cache.q)
+    strided_out, strided_lse = decode_attention(q, k, v, **kw)
+    assert torch.equal(strided_out, out) and torch.equal(strided_lse, lse)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from stableflash.attention.triton.common import cast, dot, fp32, scores, shift
+from stableflash.attention.triton.launch import last_dim_contiguous
 from stableflash.attention.triton.spec import LOG2E, native_scales
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -159,6 +160,9 @@ def decode(q, k_cache, v_cache, seen, first, cache_rows, longest: int, block_tab
     sees that many positions of its own row. `longest` >= max(seen - first) sizes the splits; `splits` > 0 asks for
     that many (at most one per key tile), 0 for enough to fill the GPU. Returns (out (B, TQ, H, D) in q's dtype, lse
     (B, H, TQ) fp32, natural log)."""
+    # the kernels address the head dim as contiguous: a strided one is read through a copy (written caches too,
+    # whose writes the caller has made already)
+    q, k_cache, v_cache = (last_dim_contiguous(t) for t in (q, k_cache, v_cache))
     B, TQ, H, D = q.shape
     group = H // k_cache.shape[2]
     block_n, block_d = _tiles(D)

@@ -175,7 +175,8 @@ def _strides(t) -> tuple[int, int, int]:
     return t.stride()[:3]
 
 
-def _last_dim_contiguous(t):
+def last_dim_contiguous(t):
+    """t, or a contiguous copy where its last dim is strided: every kernel addresses the head dim as contiguous."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -237,7 +238,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     spec = spec_named(name)
     _check_band(band, spec)
     _check_softcap(softcap, spec)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else q.new_empty(0, dtype=out.dtype)
@@ -295,7 +296,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     spec = spec_named(name)
     _check_band(band, spec)
     _check_softcap(softcap, spec)
-    q, k, v, dout, o_saved = (_last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
+    q, k, v, dout, o_saved = (last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D = q.shape
     G, TK = H // k.shape[1], k.shape[-2]
     strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
