@@ -88,13 +88,16 @@ class Draw:
         return (torch.randn(*shape, generator=self.gen) * magnitude).to(dtype).to(self.device)
 
     def memory(self):
-        return self.pick("memory", ("contiguous", "contiguous", "sliced", "permuted"))
+        return self.pick("memory", ("contiguous", "contiguous", "sliced", "permuted", "strided"))
 
 
 def stored(t: torch.Tensor, memory: str) -> torch.Tensor:
     """A 4-D t's values in other memory: "sliced", a view into a larger tensor (one more of dim 1, eight more of the
     last) whose other entries are NaN, so that a read outside the view shows in the output; "permuted", stored in
-    (0, 2, 1, 3) order. A leaf, as the call's inputs are."""
+    (0, 2, 1, 3) order; "strided", every other element of a tensor twice as wide, NaN between (the last dim's
+    stride 2). A leaf, as the call's inputs are."""
+    if memory == "strided":
+        return torch.stack([t, torch.full_like(t, float("nan"))], dim=-1).flatten(-2)[..., ::2]
     if memory == "sliced":
         base = torch.full((t.shape[0], t.shape[1] + 1, t.shape[2], t.shape[3] + 8), float("nan"), dtype=t.dtype,
                           device=t.device)
@@ -191,8 +194,10 @@ def case_sdpa(d: Draw, dtype):
     kind = d.pick("mask", ("causal", "none", "bool", "float"))
     scale = d.pick("scale", (None, 0.5))
     lead = (B,) if batched else ()
-    q = d.tensor(*lead, H, L, D, dtype=dtype)
-    k, v = d.tensor(*lead, H_kv, S, D, dtype=dtype), d.tensor(*lead, H_kv, S, D, dtype=dtype)
+    memory = d.memory() if batched else "contiguous"
+    q = stored(d.tensor(*lead, H, L, D, dtype=dtype), memory) if batched else d.tensor(H, L, D, dtype=dtype)
+    k, v = (stored(d.tensor(*lead, H_kv, S, D, dtype=dtype), memory) if batched else d.tensor(H_kv, S, D, dtype=dtype)
+            for _ in range(2))
     dout = d.tensor(*lead, H, L, D, dtype=dtype)
     attn_mask, bias = None, None
     visible = torch.ones(1, 1, L, S, dtype=torch.bool, device=d.device)
@@ -331,9 +336,10 @@ def case_flash_attn_with_kvcache(d: Draw, dtype):
     causal, window = d.pick("causal", (True, False)), d.window()
     softcap = d.pick("softcap", (0.0, 0.0, 10.0))
     rotary = d.pick("rotary", ("none", "none", "interleaved", "halves")) if D >= 4 else "none"
-    q = d.tensor(B, Tq, H, D, dtype=dtype)
-    k_cache, v_cache = d.tensor(B, capacity, H_kv, D, dtype=dtype), d.tensor(B, capacity, H_kv, D, dtype=dtype)
-    k_new, v_new = (d.tensor(B, new, H_kv, D, dtype=dtype) if new else None for _ in range(2))
+    memory = d.memory()
+    q = stored(d.tensor(B, Tq, H, D, dtype=dtype), memory)
+    k_cache, v_cache = (stored(d.tensor(B, capacity, H_kv, D, dtype=dtype), memory) for _ in range(2))
+    k_new, v_new = (stored(d.tensor(B, new, H_kv, D, dtype=dtype), memory) if new else None for _ in range(2))
     cos = sin = None
     if rotary != "none":
         R = 2 * (D // 4)
@@ -356,7 +362,8 @@ def case_flash_attn_with_kvcache(d: Draw, dtype):
         order = list(range(B * (capacity // page)))
         d.rng.shuffle(order)
         table = torch.tensor(order, dtype=torch.int32, device=d.device).reshape(B, -1).long()
-        pool_k, pool_v = (torch.zeros(len(order), page, H_kv, D, dtype=dtype, device=d.device) for _ in range(2))
+        pool_k, pool_v = (stored(torch.zeros(len(order), page, H_kv, D, dtype=dtype, device=d.device), memory)
+                          for _ in range(2))
         pool_k[table], pool_v[table] = (c.reshape(B, -1, page, H_kv, D) for c in (k_cache, v_cache))
         cache_args = dict(k_cache=pool_k, v_cache=pool_v, block_table=table.int())
     out, lse = flash_attn_with_kvcache(
