@@ -22,6 +22,7 @@ kernel and the packed kernels. Every case has its own seed: `--only SEED` runs t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -402,19 +403,33 @@ CASES = {"flash_attention": case_flash_attention, "sdpa": case_sdpa, "flash_attn
          "flash_attn_varlen_func": case_flash_attn_varlen_func, "flash_attn_with_kvcache": case_flash_attn_with_kvcache}
 
 
+# the kernels' other implementations of the same numerics (`KernelOptions`), one per case on a GPU
+KERNEL_OPTIONS = ({}, {}, {}, {"atomic_dq": True}, {"group_sum_in_program": False}, {"hopper_forward": False},
+                  {"decode_kernel": False}, {"tma": False})
+
+
 def run_case(seed: int, device: str, max_len: int, targets) -> dict:
     d = Draw(seed, device, max_len)
     target = d.pick("target", targets)
     dtypes = (torch.bfloat16, torch.float16) if device != "cpu" else (torch.bfloat16, torch.float16, torch.float32)
     dtype = d.pick("dtype", dtypes)
+    options = d.pick("kernel_options", KERNEL_OPTIONS) if device != "cpu" else {}
     record = {"seed": seed, "params": d.params}
     try:
-        check = CASES[target](d, dtype)
+        with _kernel_options(**options):
+            check = CASES[target](d, dtype)
         record["failures"], record["worst"] = check.failures, check.worst
     except Exception as e:  # noqa: BLE001 - a raising call is a finding, recorded with its case
         record["failures"] = [f"raised {type(e).__name__}: {e}"]
         record["traceback"] = traceback.format_exc(limit=-4)
     return record
+
+
+def _kernel_options(**changes):
+    if not changes:
+        return contextlib.nullcontext()
+    from stableflash.attention.triton import kernel_options
+    return kernel_options(**changes)
 
 
 def main(argv=None) -> int:
@@ -426,6 +441,9 @@ def main(argv=None) -> int:
     parser.add_argument("--only", type=int, default=None, help="run this one case seed again")
     parser.add_argument("--max-len", type=int, default=None, help="longest drawn sequence (CPU 160, GPU 1200)")
     parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--autotune", action="store_true",
+                        help="on a GPU, autotune each new shape as a user's first call does (default: each kernel's "
+                             "first tile, as the tests run, so that the budget goes to cases)")
     parser.add_argument("--out", default=None, help="JSON: every case's parameters and worst error ratios")
     args = parser.parse_args(argv)
     targets = tuple(args.targets.split(","))
@@ -433,6 +451,9 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--targets: unknown {sorted(unknown)}; expected some of {list(TARGETS)}")
     max_len = args.max_len or (160 if args.device == "cpu" else 1200)
+    if args.device != "cpu" and not args.autotune:
+        from stableflash.attention.triton import set_kernel_options
+        set_kernel_options(autotune=False)
     seeds = [args.only] if args.only is not None else [args.seed + i for i in range(args.cases)]
     start, records = time.perf_counter(), []
     for seed in seeds:
