@@ -239,7 +239,9 @@ def flash_attention(
         raise ValueError("backend: 'triton' runs Tk != Tq, windows, key padding and GQA only without a per-head "
                          "policy override, and softcap only under production FA2 numerics; use backend='reference' "
                          "or 'auto' (which takes the reference for them)")
-    if grouped and backend != "triton":
+    # the kernels and the reference read k and v per group (the reference sums dK, dV in the policy's formats); the
+    # others, and a per-head policy (which splits the heads), take them repeated
+    if grouped and (backend in ("math", "sdpa") or policy.head_override is not None):
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     # the backends other than the kernels take a masked call's mask as a description (the kernels: `band_of`)
     vis = Visibility(q.shape[-2], k.shape[-2], causal=causal, window=tuple(window or (-1, -1)),

@@ -342,15 +342,30 @@ def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibi
     return torch.cat(list(dq.values()), dim=2), torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
 
 
+def _grouped(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v with each head repeated for its group of query heads (GQA)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _summed_over_groups(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """A (B, H, T, D) gradient of repeated k or v summed over each group, in its own dtype (the policy's site
+    format), before the one cast to the input's dtype."""
+    B, H, T, D = grad.shape
+    return grad if H == heads else grad.reshape(B, heads, H // heads, T, D).sum(2)
+
+
 class ReferenceAttention(torch.autograd.Function):
     """Autograd wrapper: the forward saves O (as the policy says) and the log-sum-exp; returns O and the natural-log
-    lse (B, H, T) fp32 (not differentiable). In the `setup_context` form, with a generated vmap rule: torch.func's
-    transforms (grad, vjp, vmap) apply."""
+    lse (B, H, T) fp32 (not differentiable). k and v may have fewer heads than q (GQA): each query head reads its
+    group's, and dK, dV are summed over the group in the policy's formats for them, then cast to the inputs' dtype
+    once (so fp64 numerics give the exact gradient rounded once). In the `setup_context` form, with a generated vmap
+    rule: torch.func's transforms (grad, vjp, vmap) apply."""
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, scale, causal, policy, stabilize, stats, heads, mods):
+        k, v = _grouped(k, q.shape[1]), _grouped(v, q.shape[1])
         out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy,
                                     stabilize=stabilize, stats=stats, heads=heads, mods=mods)
         # the O δ reads where it is not the output itself (an output twice would split its gradient)
@@ -367,8 +382,10 @@ class ReferenceAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *_):
         q, k, v, o_saved, lse = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, o_saved, lse, dout, scale=ctx.scale, causal=ctx.causal, policy=ctx.policy,
-                              mods=ctx.mods)
+        H = q.shape[1]
+        dq, dk, dv = backward(q, _grouped(k, H), _grouped(v, H), o_saved, lse, dout, scale=ctx.scale,
+                              causal=ctx.causal, policy=ctx.policy, mods=ctx.mods)
+        dk, dv = _summed_over_groups(dk, k.shape[1]), _summed_over_groups(dv, v.shape[1])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 

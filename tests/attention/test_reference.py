@@ -63,6 +63,29 @@ def test_fp64_reference_passes_gradcheck():
     assert torch.autograd.gradcheck(lambda q, k, v: flash_attention(q, k, v, precision=policy, backend="reference"), inputs)
 
 
+def test_grouped_query_gradients_are_summed_in_the_policys_format():
+    """GQA on bf16 inputs under fp64 numerics: dK and dV are the exact gradients rounded once to bf16, each group's
+    sum taken in fp64 (summed after each head's share was rounded to bf16, they were off by up to several units);
+    GQA passes gradcheck in fp64, per-head policies included."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 21, 16, generator=g).mul(3).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 2, 33, 16, generator=g).mul(3).bfloat16().requires_grad_() for _ in range(2))
+    dout = torch.randn(2, 6, 21, 16, generator=g, dtype=torch.float64)
+    out = flash_attention(q, k, v, causal=False, softcap=5.0, precision="fp64", backend="reference")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s = leaves[0] @ leaves[1].repeat_interleave(3, 1).transpose(-1, -2) / 4
+    exact = torch.softmax(5 * torch.tanh(s / 5), -1) @ leaves[2].repeat_interleave(3, 1)
+    for name, ours, want in zip("qkv", grads, torch.autograd.grad(exact, leaves, dout)):
+        unit = torch.finfo(torch.bfloat16).eps * torch.exp2(want.abs().clamp_min(1e-30).log2().floor())
+        assert ((ours.double() - want).abs() <= unit / 2 + 1e-12).all(), name
+    inputs = [torch.randn(1, 4, 9, 4, generator=g, dtype=torch.float64, requires_grad=True)] + \
+        [torch.randn(1, 2, 7, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    for policy in (PRESETS["fp64"].replace(block_m=4, block_n=3), PRESETS["fp64"].with_heads([1], "fp64")):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: flash_attention(q, k, v, causal=False, precision=policy, backend="reference"), inputs)
+
+
 @pytest.mark.parametrize("num_ties", [2, 3])
 def test_fp64_sfa_is_exact_attention(num_ties):
     q, k, v = (t.double() for t in tied_inputs(num_ties, T=96, magnitude=6.0))
