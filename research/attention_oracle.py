@@ -137,6 +137,26 @@ class Check:
         if err > allowed:
             self.failures.append(f"{name}: max error {err:.3g} > allowed {allowed:.3g}")
 
+    def rounded_once(self, name, ours, exact, terms: float = 0.0):
+        """Under fp64 numerics: the exact tensor rounded once to ours's dtype, each element within one unit in the
+        last place there (fp64 results: within 1e-10 of the largest entry), or within 2^-44 of `terms`, the size of
+        what cancels (`gradient_terms`): an entry far smaller than those keeps only fp64's absolute accuracy."""
+        ours, exact = ours.detach().cpu(), exact.detach().cpu().double()
+        if ours.shape != exact.shape:
+            self.failures.append(f"{name}: shape {tuple(ours.shape)}, expected {tuple(exact.shape)}")
+            return
+        if ours.dtype == torch.float64:
+            allowed = torch.full_like(exact, 1e-10 * (1 + (exact.abs().max().item() if exact.numel() else 0.0)))
+        else:
+            info = torch.finfo(ours.dtype)
+            allowed = (info.eps * torch.exp2(exact.abs().clamp_min(info.tiny).log2().floor())).clamp_min(
+                terms * 2.0**-44)
+        err = (ours.double() - exact).abs()
+        if err.numel():
+            self.worst[name] = max(self.worst.get(name, 0.0), (err / allowed).max().item())
+        if not (err <= allowed).all():
+            self.failures.append(f"{name}: {int((err > allowed).sum())} values more than one unit from the exact ones")
+
     def lse(self, name, ours, exact):
         """-inf exactly where the exact one is; elsewhere within 1e-3 relative (scores in fp32 or wider)."""
         ours, exact = ours.detach().cpu().double(), exact.detach().cpu().double()
@@ -180,6 +200,14 @@ def check_statistics(check, stats, exact_scores, stabilized: bool) -> None:
         check.failures.append(f"stats.max_score: {ours.tolist()}, exact {exact.tolist()}")
 
 
+def gradient_terms(inputs, dout) -> float:
+    """The size of the terms a gradient of attention sums and cancels: |dO| |V| max(|Q|, |K|) sqrt(D)."""
+    if not dout.numel():
+        return 0.0
+    q, k, v = (t.detach().double().abs().max().item() if t.numel() else 0.0 for t in inputs)
+    return dout.detach().double().abs().max().item() * v * max(q, k) * inputs[0].shape[-1] ** 0.5
+
+
 def check_against_exact(check, ours_out, ours_grads, inputs, oracle, dout, grad_names, to_ours):
     """Output and gradients of a call against the fp64 oracle and the plain baselines: `oracle(how)` takes the
     call's leaves and gives (O, lse) in (B, H, T, D) form, `to_ours` maps that to the call's layout, and the
@@ -192,9 +220,7 @@ def check_against_exact(check, ours_out, ours_grads, inputs, oracle, dout, grad_
         plains.append((leaves, oracle(how)(*leaves)[0]))
     check.close("out", ours_out, [to_ours(out) for _, out in plains], to_ours(exact_out))
     if ours_grads is not None:
-        q, k, v = (t.detach().double().abs().max().item() if t.numel() else 0.0 for t in inputs)
-        terms = dout.detach().double().abs().max().item() * v * max(q, k) * (inputs[0].shape[-1] ** 0.5) \
-            if dout.numel() else 0.0
+        terms = gradient_terms(inputs, dout)
         exact_grads = torch.autograd.grad(to_ours(exact_out), exact_leaves, dout.double(), allow_unused=True)
         plain_grads = [torch.autograd.grad(to_ours(out), leaves, dout, allow_unused=True) for leaves, out in plains]
         for i, (name, o, e) in enumerate(zip(grad_names, ours_grads, exact_grads)):

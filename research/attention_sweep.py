@@ -31,7 +31,16 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from attention_oracle import Check, aligned_band, attend, check_against_exact, check_statistics, rotated, scores
+from attention_oracle import (
+    Check,
+    aligned_band,
+    attend,
+    check_against_exact,
+    check_statistics,
+    gradient_terms,
+    rotated,
+    scores,
+)
 
 from stableflash import (
     SFA,
@@ -152,6 +161,7 @@ def case_flash_attention(d: Draw, dtype):
     return_lse = d.pick("return_lse", (True, False))
     stats = AttentionStats(H) if d.pick("stats", (False, False, True)) else None
     memory, with_grad = d.memory(), d.pick("grad", (True, True, True, False))
+    precision = d.pick("precision", ("fa2", "fa2", "fa2", "fa2", "fp64"))
     q = d.tensor(B, H, Tq, D, dtype=dtype, magnitude=magnitude)
     k, v = d.tensor(B, H_kv, Tk, D, dtype=dtype, magnitude=magnitude), d.tensor(B, H_kv, Tk, D, dtype=dtype)
     dout = d.tensor(B, H, Tq, D, dtype=dtype)
@@ -172,15 +182,25 @@ def case_flash_attention(d: Draw, dtype):
     with torch.set_grad_enabled(with_grad):  # without: on a GPU, few queries against more keys take the decoding kernel
         result = flash_attention(qi, ki, vi, causal=causal, window=window, key_padding_mask=padding,
                                  attn_mask=attn_mask, softcap=softcap, stabilize=stabilize, scale=scale,
-                                 return_lse=return_lse, layout=layout, stats=stats)
+                                 return_lse=return_lse, layout=layout, stats=stats, precision=precision)
     out, lse = result if return_lse else (result, None)
-    grads = torch.autograd.grad(out, (qi, ki, vi), to_layout(dout)) if with_grad else None
+    grads = torch.autograd.grad(out, (qi, ki, vi), to_layout(dout).to(out.dtype)) if with_grad else None
     check = Check(dtype)
 
     def oracle(how):
         return lambda q_, k_, v_: attend(to_layout(q_), to_layout(k_), to_layout(v_), visible, s, softcap, bias, how)
-    exact_lse = check_against_exact(check, out, grads, (qi, ki, vi), oracle, to_layout(dout), ("dq", "dk", "dv"),
-                                    to_layout)
+    if precision == "fp64":  # the exact attention, rounded once: O in fp64, the gradients to the inputs' dtype
+        leaves = [t.detach().double().requires_grad_() for t in (qi, ki, vi)]
+        exact_out, exact_lse = oracle("exact")(*leaves)
+        check.rounded_once("out", out, to_layout(exact_out))
+        if grads is not None:
+            exact_grads = torch.autograd.grad(to_layout(exact_out), leaves, to_layout(dout).double())
+            terms = gradient_terms((qi, ki, vi), dout)
+            for name, ours, exact in zip(("dq", "dk", "dv"), grads, exact_grads):
+                check.rounded_once(name, ours, exact, terms)
+    else:
+        exact_lse = check_against_exact(check, out, grads, (qi, ki, vi), oracle, to_layout(dout), ("dq", "dk", "dv"),
+                                        to_layout)
     if return_lse:
         check.lse("lse", lse, exact_lse)
     if stats is not None:
