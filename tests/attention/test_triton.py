@@ -360,8 +360,8 @@ def _grouped_inputs(B, H, Tq, Tk, D, groups):
 def test_grouped_query_attention_reads_each_key_value_head_for_its_group(precision, in_program, groups):
     """k and v with H / groups heads (4: multi-query), read in place by the kernels: outputs and gradients (dK, dV
     summed over each group, natively in the programs or, `group_sum_in_program=False`, afterwards) within twice the
-    reference's error against fp64; the emulated `paper` bit for bit with the reference, which repeats k and v,
-    where a group is two heads (one sum, in either order)."""
+    reference's error against fp64; the emulated `paper` bit for bit with the reference (which sums each group in
+    its dK and dV sites' format) where a group is two heads (one sum, in either order)."""
     B, H, T, D = 2, 4, 77, 16 if INTERPRET else 64
     _, _, q, k, v, dout = _grouped_inputs(B, H, T, T, D, groups)
     stats = AttentionStats(H)
