@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from stableflash.attention import stabilize as stabilizers
 from stableflash.attention.mask import ScoreMods, Visibility
 from stableflash.attention.precision import Precision, resolve
-from stableflash.attention.reference import reference_attention
+from stableflash.attention.reference import reference_attention, repeat_kv
 from stableflash.attention.stabilize import check_stabilize
 from stableflash.attention.stats import AttentionStats, biasable_in_tile, tail_limit
 from stableflash.numerics.formats import get_format
@@ -61,16 +61,11 @@ def _check_mask_arguments(window, key_padding_mask, q, k):
                              f"got {tuple(key_padding_mask.shape)}")
 
 
-def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """k or v with each head repeated for its group of q heads (autograd sums the group's gradients back)."""
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
 def _without_queries_or_keys(q, k, v, policy: Precision, stats):
     """Attention where Tq or Tk is 0: an empty O, or O = 0 and lse = -inf (each row sees no key, as a fully masked
     row does); differentiable, with zero gradients (a softmax over no key weighs nothing). The rows count in the
     statistics, with nothing else."""
-    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     out = ((q @ k.transpose(-1, -2)).softmax(-1) @ v).to(policy.dtype("out", q.dtype))
     if stats is not None:
         stats.add(slice(None), rows=q.shape[0] * q.shape[2], repeated_max_rows=0, pbar_ones=0,
@@ -242,7 +237,7 @@ def flash_attention(
     # the kernels and the reference read k and v per group (the reference sums dK, dV in the policy's formats); the
     # others, and a per-head policy (which splits the heads), take them repeated
     if grouped and (backend in ("math", "sdpa") or policy.head_override is not None):
-        k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     # the backends other than the kernels take a masked call's mask as a description (the kernels: `band_of`)
     vis = Visibility(q.shape[-2], k.shape[-2], causal=causal, window=tuple(window or (-1, -1)),
                      key_padding=key_padding_mask, dense=dense) if masked and backend != "triton" else None

@@ -342,8 +342,9 @@ def backward(q, k, v, o_saved, lse, dout, *, scale: float, causal: bool | Visibi
     return torch.cat(list(dq.values()), dim=2), torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
 
 
-def _grouped(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """k or v with each head repeated for its group of query heads (GQA)."""
+def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v with each head repeated for its group of query heads (GQA); autograd sums the group's gradients back
+    in t's dtype."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
@@ -365,7 +366,7 @@ class ReferenceAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, scale, causal, policy, stabilize, stats, heads, mods):
-        k, v = _grouped(k, q.shape[1]), _grouped(v, q.shape[1])
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         out, o_saved, lse = forward(q, k, v, scale=scale, causal=causal, policy=policy,
                                     stabilize=stabilize, stats=stats, heads=heads, mods=mods)
         # the O δ reads where it is not the output itself (an output twice would split its gradient)
@@ -383,7 +384,7 @@ class ReferenceAttention(torch.autograd.Function):
     def backward(ctx, dout, *_):
         q, k, v, o_saved, lse = ctx.saved_tensors
         H = q.shape[1]
-        dq, dk, dv = backward(q, _grouped(k, H), _grouped(v, H), o_saved, lse, dout, scale=ctx.scale,
+        dq, dk, dv = backward(q, repeat_kv(k, H), repeat_kv(v, H), o_saved, lse, dout, scale=ctx.scale,
                               causal=ctx.causal, policy=ctx.policy, mods=ctx.mods)
         dk, dv = _summed_over_groups(dk, k.shape[1]), _summed_over_groups(dv, v.shape[1])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
