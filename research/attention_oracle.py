@@ -111,9 +111,10 @@ class Check:
         self.failures: list[str] = []
 
     def close(self, name, ours, plains, exact, terms: float = 0.0):
-        """`terms`: the size of the fp32 terms that cancel in this tensor (a gradient's dP - δ), whose rounding
-        the atol also allows (one fp32 unit there): a row with one visible key has dQ = 0 exactly, which the plain
-        dense backward gives but a flash backward, forming δ apart from dP, does not."""
+        """`terms`: the size of the fp32 quantities whose rounding the atol also allows, one fp32 unit of it: for O
+        the scores times |V| (`output_terms`), for a gradient the dP - δ it cancels from (`gradient_terms`; a row
+        with one visible key has dQ = 0 exactly, which the plain dense backward gives but a flash backward, forming
+        δ apart from dP, does not)."""
         if ours is None:
             self.failures.append(f"{name}: missing")
             return
@@ -128,7 +129,7 @@ class Check:
             return
         bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}[self.dtype]
         scale = max(exact.abs().max().item(), 2.0 ** -10)
-        atol = 2.0 ** (math.floor(math.log2(scale)) - bits) * (16 if self.dtype == torch.float32 else 1)
+        atol = 2.0 ** (math.floor(math.log2(scale)) - bits)
         if terms > 0:
             atol = max(atol, 2.0 ** (math.floor(math.log2(terms)) - 23))
         plain = max((p.detach().cpu().double() - exact).abs().max().item() for p in plains)
@@ -200,6 +201,18 @@ def check_statistics(check, stats, exact_scores, stabilized: bool) -> None:
         check.failures.append(f"stats.max_score: {ours.tolist()}, exact {exact.tolist()}")
 
 
+def output_terms(exact_lse, q, k, v) -> float:
+    """The size of what the fp32 rounding of the scores moves O by: the scores' own size (the log-sum-exp), or
+    that of the products their dot products sum (|Q| |K| sqrt(D)), times |V|: an fp32 score of 64 is rounded by
+    2^-18, and each P with it."""
+    finite = exact_lse[torch.isfinite(exact_lse)]
+    if not finite.numel() or not v.numel():
+        return 0.0
+    head_dim = q.shape[-1]
+    q, k, v = (t.detach().double().abs().max().item() if t.numel() else 0.0 for t in (q, k, v))
+    return max(finite.abs().max().item(), q * k * math.sqrt(head_dim)) * v
+
+
 def gradient_terms(inputs, dout) -> float:
     """The size of the terms a gradient of attention sums and cancels: |dO| |V| max(|Q|, |K|) sqrt(D)."""
     if not dout.numel():
@@ -218,7 +231,8 @@ def check_against_exact(check, ours_out, ours_grads, inputs, oracle, dout, grad_
     for how in ("plain", "flash"):
         leaves = [t.detach().clone().requires_grad_() for t in inputs]
         plains.append((leaves, oracle(how)(*leaves)[0]))
-    check.close("out", ours_out, [to_ours(out) for _, out in plains], to_ours(exact_out))
+    check.close("out", ours_out, [to_ours(out) for _, out in plains], to_ours(exact_out),
+                output_terms(exact_lse, *inputs))
     if ours_grads is not None:
         terms = gradient_terms(inputs, dout)
         exact_grads = torch.autograd.grad(to_ours(exact_out), exact_leaves, dout.double(), allow_unused=True)
