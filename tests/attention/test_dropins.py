@@ -298,8 +298,10 @@ def test_kvcache_with_several_causal_queries_aligns_each_to_its_own_end():
 
 def test_the_reference_compiles_whole_exports_and_takes_torch_func():
     """The reference path under torch.compile(fullgraph=True) with a window and key padding (no data-dependent
-    branch left), torch.export, and torch.func's grad and vmap: each the eager values."""
-    q, k, v = (_randn(2, 3, 24, 8, seed=i).float().requires_grad_() for i in range(3))
+    branch left), torch.export, and torch.func's grad and vmap: each the eager values. GQA (k and v of one head for
+    q's three), which the reference's autograd function takes as it is."""
+    q = _randn(2, 3, 24, 8, seed=0).float().requires_grad_()
+    k, v = (_randn(2, 1, 24, 8, seed=i).float().requires_grad_() for i in (1, 2))
     keep = torch.rand(2, 24, generator=torch.Generator().manual_seed(4)) > 0.2
 
     def f(q, k, v):
