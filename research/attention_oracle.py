@@ -244,6 +244,22 @@ def check_against_exact(check, ours_out, ours_grads, inputs, oracle, dout, grad_
     return exact_lse
 
 
+def check_call(check, precision: str, ours_out, ours_grads, inputs, oracle, dout, grad_names, to_ours):
+    """`check_against_exact`, or under fp64 numerics the exact result rounded once: O in fp64, each gradient in its
+    input's dtype (`Check.rounded_once`). Returns the exact lse."""
+    if precision != "fp64":
+        return check_against_exact(check, ours_out, ours_grads, inputs, oracle, dout, grad_names, to_ours)
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    exact_out, exact_lse = oracle("exact")(*leaves)
+    check.rounded_once("out", ours_out, to_ours(exact_out))
+    if ours_grads is not None:
+        terms = gradient_terms(inputs, dout)
+        exact_grads = torch.autograd.grad(to_ours(exact_out), leaves, dout.double(), allow_unused=True)
+        for name, ours, exact, leaf in zip(grad_names, ours_grads, exact_grads, leaves):
+            check.rounded_once(name, ours, torch.zeros_like(leaf) if exact is None else exact, terms)
+    return exact_lse
+
+
 def rotated(x, positions, cos, sin, mode: str):
     """flash-attn's rotary embedding of x (T, H, D) at positions (T,): its first R = 2 cos.shape[1] dims in pairs
     (x[2i], x[2i+1]) ("interleaved") or (x[i], x[i + R/2]) ("halves"), in fp32, cast back."""

@@ -37,8 +37,8 @@ from attention_oracle import (
     aligned_band,
     attend,
     check_against_exact,
+    check_call,
     check_statistics,
-    gradient_terms,
     output_terms,
     rotated,
     scores,
@@ -191,18 +191,8 @@ def case_flash_attention(d: Draw, dtype):
 
     def oracle(how):
         return lambda q_, k_, v_: attend(to_layout(q_), to_layout(k_), to_layout(v_), visible, s, softcap, bias, how)
-    if precision == "fp64":  # the exact attention, rounded once: O in fp64, the gradients to the inputs' dtype
-        leaves = [t.detach().double().requires_grad_() for t in (qi, ki, vi)]
-        exact_out, exact_lse = oracle("exact")(*leaves)
-        check.rounded_once("out", out, to_layout(exact_out))
-        if grads is not None:
-            exact_grads = torch.autograd.grad(to_layout(exact_out), leaves, to_layout(dout).double())
-            terms = gradient_terms((qi, ki, vi), dout)
-            for name, ours, exact in zip(("dq", "dk", "dv"), grads, exact_grads):
-                check.rounded_once(name, ours, exact, terms)
-    else:
-        exact_lse = check_against_exact(check, out, grads, (qi, ki, vi), oracle, to_layout(dout), ("dq", "dk", "dv"),
-                                        to_layout)
+    exact_lse = check_call(check, precision, out, grads, (qi, ki, vi), oracle, to_layout(dout), ("dq", "dk", "dv"),
+                           to_layout)
     if return_lse:
         check.lse("lse", lse, exact_lse)
     if stats is not None:
@@ -261,11 +251,12 @@ def case_flash_attn_func(d: Draw, dtype):
         d.params["H_kv"] = H
     causal, window = d.pick("causal", (True, False)), d.window()
     softcap = d.pick("softcap", (0.0, 0.0, 10.0))
+    precision = d.pick("precision", ("fa2", "fa2", "fa2", "fa2", "fp64"))
     memory = d.memory() if packing == "none" else "contiguous"
     q = d.tensor(B, Tq, H, D, dtype=dtype)
     k, v = d.tensor(B, Tk, H_kv, D, dtype=dtype), d.tensor(B, Tk, H_kv, D, dtype=dtype)
     dout = d.tensor(B, Tq, H, D, dtype=dtype)
-    common = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True)
+    common = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True, precision=precision)
     qi, ki, vi = _leaves(*(stored(t, memory) for t in (q, k, v)))
     if packing == "none":
         out, lse, _ = flash_attn_func(qi, ki, vi, **common)
@@ -273,14 +264,14 @@ def case_flash_attn_func(d: Draw, dtype):
         out, lse, _ = flash_attn_kvpacked_func(qi, torch.stack((ki, vi), dim=2), **common)
     else:
         out, lse, _ = flash_attn_qkvpacked_func(torch.stack((qi, ki, vi), dim=2), **common)
-    grads = torch.autograd.grad(out, (qi, ki, vi), dout)
+    grads = torch.autograd.grad(out, (qi, ki, vi), dout.to(out.dtype))
     visible = aligned_band(Tq, Tk, causal, window, d.device)
     bhtd = _swap_t_and_h
     check = Check(dtype)
 
     def oracle(how):
         return lambda q_, k_, v_: attend(bhtd(q_), bhtd(k_), bhtd(v_), visible, D ** -0.5, softcap, None, how)
-    exact_lse = check_against_exact(check, out, grads, (qi, ki, vi), oracle, dout, ("dq", "dk", "dv"), bhtd)
+    exact_lse = check_call(check, precision, out, grads, (qi, ki, vi), oracle, dout, ("dq", "dk", "dv"), bhtd)
     check.lse("lse", lse, exact_lse)
     return check
 
@@ -292,6 +283,7 @@ def case_flash_attn_varlen_func(d: Draw, dtype):
     causal, window = d.pick("causal", (True, False)), d.window()
     softcap = d.pick("softcap", (0.0, 0.0, 10.0))
     paged = d.pick("paged", (False, False, True))
+    precision = d.pick("precision", ("fa2", "fa2", "fa2", "fa2", "fp64"))
     tq, tk = sum(a for a, _ in lengths), sum(b for _, b in lengths)
     q, dout = d.tensor(tq, H, D, dtype=dtype), d.tensor(tq, H, D, dtype=dtype)
     k, v = d.tensor(tk, H_kv, D, dtype=dtype), d.tensor(tk, H_kv, D, dtype=dtype)
@@ -300,7 +292,7 @@ def case_flash_attn_varlen_func(d: Draw, dtype):
     cu_q, cu_k = cu_q.to(d.device), cu_k.to(d.device)
     max_q, max_k = max(a for a, _ in lengths), max(b for _, b in lengths)
     qi, ki, vi = _leaves(q, k, v)
-    common = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True)
+    common = dict(causal=causal, window_size=window, softcap=softcap, return_attn_probs=True, precision=precision)
     if paged:  # each sequence's keys on pages of 16, the pages shuffled in one pool
         page = 16
         pages_per = [max(1, -(-b // page)) for _, b in lengths]
@@ -323,10 +315,10 @@ def case_flash_attn_varlen_func(d: Draw, dtype):
             start += n
         out, lse, _ = flash_attn_varlen_func(qi, k_pages, v_pages, cu_q, cu_k, max_q, max_k,
                                              block_table=table.to(d.device), **common)
-        grads = torch.autograd.grad(out, qi, dout) if tq else None  # the pages are not the call's leaves
+        grads = torch.autograd.grad(out, qi, dout.to(out.dtype)) if tq else None  # the pages are not the leaves
     else:
         out, lse, _ = flash_attn_varlen_func(qi, ki, vi, cu_q, cu_k, max_q, max_k, **common)
-        grads = torch.autograd.grad(out, (qi, ki, vi), dout, allow_unused=True) if tq else None
+        grads = torch.autograd.grad(out, (qi, ki, vi), dout.to(out.dtype), allow_unused=True) if tq else None
     # the oracle: one block-diagonal dense attention over the packed tokens
     visible = torch.zeros(tq, tk, dtype=torch.bool, device=d.device)
     for (a, b), q0, k0 in zip(lengths, cu_q.tolist(), cu_k.tolist()):
@@ -337,7 +329,7 @@ def case_flash_attn_varlen_func(d: Draw, dtype):
     def oracle(how):
         return lambda q_, k_, v_: attend(packed(q_), packed(k_), packed(v_), visible, D ** -0.5, softcap, None, how)
     names = ("dq",) if paged else ("dq", "dk", "dv")
-    exact_lse = check_against_exact(check, out, grads, (qi, ki, vi), oracle, dout, names, unpacked)
+    exact_lse = check_call(check, precision, out, grads, (qi, ki, vi), oracle, dout, names, unpacked)
     check.lse("lse", lse, exact_lse[0])
     return check
 
