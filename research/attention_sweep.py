@@ -62,6 +62,8 @@ TARGETS = ("flash_attention", "sdpa", "flash_attn_func", "flash_attn_varlen_func
 
 
 class Draw:
+    """One case's random choices, from its seed alone, each recorded in `params` as it is made."""
+
     def __init__(self, seed: int, device: str, max_len: int):
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
