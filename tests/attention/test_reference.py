@@ -83,7 +83,8 @@ def test_grouped_query_gradients_are_summed_in_the_policys_format():
         [torch.randn(1, 2, 7, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     for policy in (PRESETS["fp64"].replace(block_m=4, block_n=3), PRESETS["fp64"].with_heads([1], "fp64")):
         assert torch.autograd.gradcheck(
-            lambda q, k, v: flash_attention(q, k, v, causal=False, precision=policy, backend="reference"), inputs)
+            lambda q, k, v, policy=policy: flash_attention(q, k, v, causal=False, precision=policy,
+                                                           backend="reference"), inputs)
 
 
 @pytest.mark.parametrize("num_ties", [2, 3])
