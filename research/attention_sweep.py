@@ -456,7 +456,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=200)
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new cases after this long")
     parser.add_argument("--seed", type=int, default=0, help="case i runs seed SEED + i")
-    parser.add_argument("--only", type=int, default=None, help="run this one case seed again")
+    parser.add_argument("--only", type=int, default=None,
+                        help="run this one case seed again (with the run's --device, --targets and --max-len: the "
+                             "draws depend on them)")
     parser.add_argument("--max-len", type=int, default=None, help="longest drawn sequence (CPU 160, GPU 1200)")
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--autotune", action="store_true",
