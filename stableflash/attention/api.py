@@ -297,10 +297,21 @@ def _split_attn_mask(attn_mask, q, k):
     return None, mask
 
 
+def _aligned_for_sdpa(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where its data or a row stride is not 16-byte aligned or its last dim is strided:
+    torch's cuDNN attention reads such views wrong (a bf16 view at an offset of 3 elements gave all NaN, torch 2.11
+    on an H200) where its other kernels refuse them."""
+    size = t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1]):
+        return t
+    return t.contiguous()
+
+
 def _sdpa(q, k, v, scale, vis: Visibility, bias):
     """torch's SDPA with our masks as one dense mask (its own `is_causal` where causality is the only one). A row
     that sees no key gives O = 0 and zero gradients, as in the other backends (SDPA alone gives NaN): it is shown
     its first key, and its output replaced by 0 (so no gradient reaches that key)."""
+    q, k, v = (_aligned_for_sdpa(t) for t in (q, k, v))
     only_causal = (vis.causal and vis.q_len == vis.k_len and vis.window == (-1, -1) and vis.key_padding is None
                    and vis.dense is None and bias is None)
     if only_causal or not (vis.banded or vis.key_padding is not None or vis.dense is not None or bias is not None):

@@ -360,3 +360,24 @@ def test_deterministic_keeps_the_backward_free_of_atomics(deterministic, monkeyp
         flash_attn_func(q[None], q[None], q[None], deterministic=deterministic, **EXACT)
         flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, deterministic=deterministic, **EXACT)
     assert seen == [not deterministic] * 3
+
+
+def test_the_sdpa_backend_takes_views_that_start_off_alignment():
+    """q, k, v as views at an offset of 3 elements into NaN-filled tensors, with a float mask: the result of the same
+    values stored contiguously. On an H200, torch's cuDNN attention gave all NaN for such views (found by
+    research/attention_sweep.py), so the 'sdpa' backend hands it aligned copies."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(15)
+    values = [torch.randn(1, 1, n, 192, generator=g).to(dtype).to(device) for n in (75, 6, 6)]
+    bias = torch.randn(75, 6, generator=g).to(dtype).to(device)
+    views = []
+    for t in values:
+        base = torch.full((1, 2, t.shape[2], 200), float("nan"), dtype=dtype, device=device)
+        views.append(base[:, 1:, :, 3:195])
+        views[-1].copy_(t)
+    assert views[0].data_ptr() % 16 != 0
+    want = flash_attention(*values, attn_mask=bias, scale=0.5, causal=False, backend="sdpa")
+    ours = flash_attention(*views, attn_mask=bias, scale=0.5, causal=False, backend="sdpa")
+    assert torch.isfinite(ours).all() and torch.equal(ours, want)
+
