@@ -1,6 +1,9 @@
 """The host side of the kernels (`triton/launch.py`), with the kernels stood in for: no GPU needed."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +13,10 @@ pytest.importorskip("triton")
 
 from stableflash.attention.precision import resolve  # noqa: E402
 from stableflash.attention.triton import kernel_options, launch, tuning  # noqa: E402
-from stableflash.attention.triton.spec import spec_name  # noqa: E402
+from stableflash.attention.triton.spec import INTERPRET, spec_name  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[2] / "stableflash"
+TILE_PICK_TESTS = Path(__file__).with_name("test_tile_picks.py")
 # Triton's internals a launcher would need to replay Triton's own launch: none of it may appear in the package
 PRIVATE_TRITON = [r"\.packed_metadata", r"\.arg_names", r"\bkernel\.params\b", r"triton\.knobs", r"runtime\.driver",
                   r"compiled\.run\(", r"\.fn\.params", r"_hooks_registered"]
@@ -33,6 +37,8 @@ def test_every_switch_a_native_launch_passes_is_in_its_autotuners_key(monkeypatc
     monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(launch, "hopper", None)
     monkeypatch.setattr(launch, "_launch_tuned", lambda tunable, grid, args, meta, **kw: passed.append((tunable, meta)))
+    # the untuned launches (atomic dQ's δ kernel) stood in for too: these are CPU tensors, which a GPU cannot read
+    monkeypatch.setattr(launch, "_launch", lambda kernel, grid, args, meta, config: None)
     name = spec_name(resolve("fa2"), None, torch.bfloat16, 64, 77)
     generator = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(2, 4, 77, 64, generator=generator, dtype=torch.bfloat16) for _ in range(2))
@@ -66,3 +72,12 @@ def test_without_autotuning_a_launch_takes_its_kernels_first_candidate(monkeypat
     assert launched == [(t.kernel, t.first) for t in (tuning.NATIVE_FWD, tuning.NATIVE_DQ, tuning.NATIVE_DKDV)]
     assert all(config.kwargs["TMA"] is False for _, config in launched)
     assert len(tuning.TILE_PICKS) == picks
+
+
+@pytest.mark.skipif(not INTERPRET, reason="without the interpreter test_tile_picks.py runs in this process")
+def test_the_tile_pick_tests_run_with_triton_compiled_not_interpreted():
+    """The interpreter has no autotuner, so it skips test_tile_picks.py; those tests record launches and run none, so
+    a child process without the interpreter runs them on any machine."""
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", str(TILE_PICK_TESTS)],
+                           env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0 and " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-4000:]

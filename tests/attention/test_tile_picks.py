@@ -16,7 +16,9 @@ from stableflash.attention.triton import launch, tuning  # noqa: E402
 from stableflash.attention.triton.spec import spec_name  # noqa: E402
 from stableflash.attention.triton.tuning import TILE_PICKS, TilePicks  # noqa: E402
 
-pytestmark = pytest.mark.skipif(tuning.NATIVE_FWD.pointers is None, reason="the interpreter has no autotuner")
+# gpu: the GPU suite's selection; under the interpreter, test_launch.py runs this file in a child without it
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(tuning.NATIVE_FWD.pointers is None, reason="the interpreter has no autotuner")]
 
 
 @pytest.fixture(autouse=True)
