@@ -127,11 +127,10 @@ class Check:
             return
         if exact.numel() == 0:
             return
-        bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}[self.dtype]
         scale = max(exact.abs().max().item(), 2.0 ** -10)
-        atol = 2.0 ** (math.floor(math.log2(scale)) - bits)
+        atol = 2.0 ** math.floor(math.log2(scale)) * torch.finfo(self.dtype).eps  # one unit of the dtype at that size
         if terms > 0:
-            atol = max(atol, 2.0 ** (math.floor(math.log2(terms)) - 23))
+            atol = max(atol, 2.0 ** math.floor(math.log2(terms)) * torch.finfo(torch.float32).eps)
         plain = max((p.detach().cpu().double() - exact).abs().max().item() for p in plains)
         err, allowed = (ours - exact).abs().max().item(), 2 * plain + atol
         self.worst[name] = max(self.worst.get(name, 0.0), err / allowed)

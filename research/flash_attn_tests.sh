@@ -9,6 +9,8 @@
 # every case in scope between them, so calls that each fit a time limit can run the whole file
 # (research/flash_attn_ledger.py adds up what the shards run so far have covered).
 # The kernels launch at fixed tiles, untuned (TILES=tuned: autotune each shape, as a user's first call does).
+# LIMIT_S=S interrupts pytest after S seconds as Ctrl-C would, so that a run cut short still writes its junit XML (each
+# case's outcome and time, what research/flash_attn_ledger.py reads): set it below the call's own limit.
 #   research/flash_attn_tests.sh REPO OUT [SAMPLE [PYTEST_ARGS...]]   (WORKERS: pytest-xdist workers, default 16;
 #                                                     EXTRA_PYTHONPATH: where einops is, if not installed)
 set -u
@@ -19,7 +21,7 @@ shift $(($# < 3 ? $# : 3))
 mkdir -p "$out"
 export FLASH_ATTN_REPO=$(cd "$repo" && pwd)
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
-python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
+${LIMIT_S:+timeout -s INT -k 60 $LIMIT_S} python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
   -n "${WORKERS:-16}" --max-worker-restart 256 -v -rf --tb=line --timeout 300 --durations 40 \
   --upstream-sample "$sample" \
   --upstream-shard "${SHARD:-0}" \
