@@ -109,7 +109,8 @@ def section_steps(shape, steps: int) -> None:
     for module, names in (("stableflash.attention.api", ["flash_attention"]),
                           ("stableflash.attention.triton", ["attention"]),
                           ("stableflash.attention.triton.launch", ["forward", "backward", "_launch_planned",
-                                                                  "empty_in_layout_of", "_plan_key"]),
+                                                                  "empty_in_layout_of", "_plan_key", "_launch",
+                                                                  "_launch_tuned"]),
                           ("stableflash.attention.triton.ops", [])):
         try:
             mod = importlib.import_module(module)
