@@ -8,7 +8,9 @@ its own length per row, and `"stableflash"` or `"stableflash_sfa"`. The same wei
   allow (relative 1e-5 and 1e-4, fp32 on the CPU; bf16 on a GPU: 2e-2 and 5e-2), unless (fp32) the same weights in
   fp64 under the baseline show ours within `FP64_FACTOR` of the baseline's own error;
 - greedy generation from a left-padded batch (through the cache: one query against the cached keys per step) picks
-  another token where the baseline's top two are not a near tie (within 1e-4 of its logits' spread).
+  another token where the baseline's top two are not a near tie (within 1e-4 of its logits' spread);
+- in 3 of 10 cases (a draw of its own, so the other draws of a seed stay as they were), 2-4 sequences packed into
+  one row (position_ids restarting at 0) give other logits or gradients than the baseline on each sequence alone.
 
     python research/transformers_sweep.py --budget-s 600 --seed 0 --out sweep.json
     python research/transformers_sweep.py --only SEED            # one case again, printed in full
@@ -31,6 +33,9 @@ from stableflash.integrations.transformers import register
 
 VOCAB = 61
 ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2", "gpt2")
+PACKED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2", "gpt2")
+"""Where a case may also pack 2-4 sequences into one row (position_ids restarting at 0, as transformers'
+DataCollatorWithFlattening makes them), checked against the baseline on each sequence alone."""
 NEAR_TIE = 1e-4
 BOUNDS = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2)}
 """Relative error allowed against the baseline, (logits, gradients), by the models' dtype: the integration tests'."""
@@ -60,6 +65,10 @@ def draw(seed: int, max_len: int) -> dict:
     if arch == "gemma2":
         case["softcap"] = rng.choice([1.0, 5.0, 20.0, 50.0])
         case["query_pre_attn_scalar"] = rng.choice([case["head_dim"], 2 * case["head_dim"], 7])
+    packing = random.Random(f"packed {seed}")  # a stream of its own: the draws above stay what they were
+    if arch in PACKED_ARCHITECTURES and packing.random() < 0.3:
+        cuts = sorted(packing.sample(range(1, max_len + 1), packing.randint(1, min(3, max_len))))
+        case["packed"] = [b - a for a, b in zip([0, *cuts], [*cuts, max_len + 1])]
     return case
 
 
@@ -124,6 +133,31 @@ def _greedy(model, ids, mask, new_tokens: int):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1).float()
 
 
+def _packed_logits_and_grads(model, ids, lengths: list[int], together: bool):
+    """Logits of the sequences of `lengths` packed in ids (1, sum): in one row with restarting positions, or each
+    run alone; and the gradients of the same loss over all of them."""
+    model.zero_grad(set_to_none=True)
+    if together:
+        positions = torch.cat([torch.arange(n) for n in lengths])[None].to(ids.device)
+        logits = model(input_ids=ids, position_ids=positions).logits[0]
+    else:
+        logits = torch.cat([model(input_ids=part).logits[0] for part in ids.split(lengths, dim=1)])
+    logits.float().square().mean().backward()
+    return logits.detach().float(), torch.cat([p.grad.flatten().float() for p in model.parameters()
+                                               if p.grad is not None])
+
+
+def _check_packed(case, ours_model, base_model, device, result, logits_tol, grads_tol) -> None:
+    lengths = case["packed"]
+    ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(case["seed"])).to(device)
+    ours, base = (_packed_logits_and_grads(m.train(), ids, lengths, together) for m, together in
+                  ((ours_model, True), (base_model, False)))
+    result["packed_logits_rel"], result["packed_grads_rel"] = _rel(ours[0], base[0]), _rel(ours[1], base[1])
+    if not result["packed_logits_rel"] <= logits_tol or not result["packed_grads_rel"] <= grads_tol:
+        result["failures"].append(f"packed {lengths}: logits {result['packed_logits_rel']:.2e}, gradients "
+                                  f"{result['packed_grads_rel']:.2e} from each sequence run alone")
+
+
 def run_case(case: dict, device, dtype) -> dict:
     """The case's errors and whether it passed; an exception is a failure with its message."""
     logits_tol, grads_tol = BOUNDS[dtype]
@@ -162,6 +196,8 @@ def run_case(case: dict, device, dtype) -> dict:
             if margin >= NEAR_TIE * scores.std().item():
                 result["failures"].append(f"generate: row {row} step {step} picks {tokens[row, step].item()}, the "
                                           f"baseline {base_tokens[row, step].item()} (top-two margin {margin:.2e})")
+        if case.get("packed"):
+            _check_packed(case, ours_model, base_model, device, result, logits_tol, grads_tol)
     except Exception as error:  # noqa: BLE001 - a crash is this case's failure, reported with it
         result["failures"].append(f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}")
     return result

@@ -61,3 +61,11 @@ def test_the_sweep_sees_a_planted_fault(monkeypatch, fault, applies):
     cases = [c for c in (transformers_sweep.draw(s, 24) for s in range(400)) if applies(c)][:25]
     results = _run(cases)
     assert sum(bool(r["failures"]) for r in results) >= 0.6 * len(results), fault
+
+
+def test_the_sweep_sees_packed_sequences_attending_across_each_other(monkeypatch):
+    """The integration without its packing (position_ids restarting at 0 read as one sequence)."""
+    monkeypatch.setattr(integration, "_packed_offsets", lambda position_ids, batch_size: None)
+    cases = [c for c in (transformers_sweep.draw(s, 24) for s in range(200)) if c.get("packed")][:20]
+    results = _run(cases)
+    assert sum(any(f.startswith("packed") for f in r["failures"]) for r in results) >= 0.8 * len(results)
