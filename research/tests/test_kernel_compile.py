@@ -1,6 +1,7 @@
 """The shipped kernels compile for the H200 (sm_90) on any machine, no GPU needed: what the interpreter cannot see.
 
-`python -m pytest research/tests` (skipped in the default run, whose interpreter replaces the JIT functions). Guards
+In the default run, whose interpreter replaces the JIT functions, these run in a child process without it
+(`test_kernel_compile_in_ci.py`); alone, `python -m pytest research/tests/test_kernel_compile.py`. Guards
 found on the GPU: a bf16 dot of fp32 operands that did not compile, Triton's FMA contraction of the scaled scores (NaN
 from scores of ~2^31) and of the emulated products (one rounding where the reference makes two), and wgmmas that
 ptxas serialises.
@@ -16,9 +17,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 # the kernels must be Triton's JIT functions, not the interpreter's: in the default run (tests/conftest.py turns the
-# interpreter on without a GPU) these are skipped; `python -m pytest research/tests` runs them
+# interpreter on without a GPU) these are skipped here and run in test_kernel_compile_in_ci.py's child
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                                reason="compiles for sm_90: run without TRITON_INTERPRET (python -m pytest research/tests)")
+                                reason="compiles for sm_90: test_kernel_compile_in_ci.py runs it without the interpreter")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline_compile import compile_function, compile_kernel, constexprs, resource_usage, wgmma_serialization  # noqa: E402
