@@ -1,4 +1,4 @@
-"""The oracle trace's own pieces, on any machine: `python -m pytest research/tests` (not in the default run)."""
+"""The oracle trace's own pieces, on any machine (in the default run)."""
 
 import sys
 from pathlib import Path
