@@ -33,9 +33,6 @@ from stableflash.integrations.transformers import register
 
 VOCAB = 61
 ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2", "gpt2")
-PACKED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2", "gpt2")
-"""Where a case may also pack 2-4 sequences into one row (position_ids restarting at 0, as transformers'
-DataCollatorWithFlattening makes them), checked against the baseline on each sequence alone."""
 NEAR_TIE = 1e-4
 BOUNDS = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2)}
 """Relative error allowed against the baseline, (logits, gradients), by the models' dtype: the integration tests'."""
@@ -66,7 +63,7 @@ def draw(seed: int, max_len: int) -> dict:
         case["softcap"] = rng.choice([1.0, 5.0, 20.0, 50.0])
         case["query_pre_attn_scalar"] = rng.choice([case["head_dim"], 2 * case["head_dim"], 7])
     packing = random.Random(f"packed {seed}")  # a stream of its own: the draws above stay what they were
-    if arch in PACKED_ARCHITECTURES and packing.random() < 0.3:
+    if packing.random() < 0.3:  # as transformers' DataCollatorWithFlattening packs them, positions restarting at 0
         cuts = sorted(packing.sample(range(1, max_len + 1), packing.randint(1, min(3, max_len))))
         case["packed"] = [b - a for a, b in zip([0, *cuts], [*cuts, max_len + 1])]
     return case
