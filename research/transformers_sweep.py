@@ -24,6 +24,7 @@ import argparse
 import json
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -116,12 +117,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _flat_grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+
+
 def _logits_and_grads(model, ids, mask):
     logits = model(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     logits[real].float().square().mean().backward()
-    grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
-    return logits.detach()[real].float(), grads
+    return logits.detach()[real].float(), _flat_grads(model)
 
 
 def _greedy(model, ids, mask, new_tokens: int):
@@ -140,8 +144,7 @@ def _packed_logits_and_grads(model, ids, lengths: list[int], together: bool):
     else:
         logits = torch.cat([model(input_ids=part).logits[0] for part in ids.split(lengths, dim=1)])
     logits.float().square().mean().backward()
-    return logits.detach().float(), torch.cat([p.grad.flatten().float() for p in model.parameters()
-                                               if p.grad is not None])
+    return logits.detach().float(), _flat_grads(model)
 
 
 def _check_packed(case, ours_model, base_model, device, result, logits_tol, grads_tol) -> None:
@@ -211,9 +214,7 @@ def sweep(seed: int, cases: int, budget_s: float, device, dtype, max_len: int) -
             print(f"seed {seed + i} FAILED: {json.dumps(results[-1]['case'])}\n  " + "\n  ".join(results[-1]["failures"]),
                   flush=True)
     failed = [r for r in results if r["failures"]]
-    by_arch: dict[str, int] = {}
-    for r in results:
-        by_arch[r["case"]["arch"]] = by_arch.get(r["case"]["arch"], 0) + 1
+    by_arch = dict(Counter(r["case"]["arch"] for r in results))
     return {"device": str(device), "dtype": str(dtype), "torch": torch.__version__, "first_seed": seed,
             "cases": len(results), "failed": len(failed), "by_arch": by_arch,
             "worst_logits_rel": max((r.get("logits_rel", 0.0) for r in results), default=0.0),

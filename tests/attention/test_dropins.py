@@ -380,4 +380,3 @@ def test_the_sdpa_backend_takes_views_that_start_off_alignment():
     want = flash_attention(*values, attn_mask=bias, scale=0.5, causal=False, backend="sdpa")
     ours = flash_attention(*views, attn_mask=bias, scale=0.5, causal=False, backend="sdpa")
     assert torch.isfinite(ours).all() and torch.equal(ours, want)
-
