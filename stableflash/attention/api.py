@@ -265,10 +265,9 @@ def flash_attention(
                                                        seen=k.shape[2], scale=scale, causal=causal, softcap=softcap,
                                                        window=tuple(window or (-1, -1)))
             return (out.transpose(1, 2), lse) if return_lse else out.transpose(1, 2)
-        out, lse = triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy, stabilize=stabilize,
-                                            stats=stats, window=tuple(window or (-1, -1)),
-                                            key_padding=key_padding_mask, softcap=softcap, return_lse=True)
-        return (out, lse) if return_lse else out
+        return triton_backend.attention(q, k, v, causal=causal, scale=scale, policy=policy, stabilize=stabilize,
+                                        stats=stats, window=tuple(window or (-1, -1)), key_padding=key_padding_mask,
+                                        softcap=softcap, return_lse=return_lse)
     out, lse = reference_attention(q, k, v, scale=scale, causal=vis or causal, policy=policy, stabilize=stabilize,
                                    stats=stats, mods=mods)
     return (out, lse) if return_lse else out

@@ -1032,7 +1032,8 @@ def test_ops_trace_without_graph_breaks(layout, precision, D):
         q, k, v = (t.view(2, 200, 3, D).transpose(1, 2).requires_grad_() for t in qkv.split(3 * D, dim=2))
     key = spec_name(resolve(precision), SFA(), torch.bfloat16, D, 200)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(ops.flash_fwd, (q, k, v, True, 0.125, key, True, 1e-3), test_utils=checks)
+    torch.library.opcheck(ops.flash_fwd, (q, k, v, None, key, ops.Call(True, 0.125, 1e-3).encode()),
+                          test_utils=checks)
 
     sfa = SFA()  # policies and stabilizers are built outside compiled code, as the model does
 

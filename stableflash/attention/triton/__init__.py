@@ -174,9 +174,10 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
         raise ValueError(f"q: the triton backend takes head dims up to {HEAD_DIMS[-1]}, got {head_dim}")
     if width != head_dim:
         q, k, v = (_widened(t, width) for t in (q, k, v))
-    out, lse = split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
+    result = split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
         q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads, band=band,
-        softcap=float(softcap)))
+        softcap=float(softcap), return_lse=return_lse))
+    out, lse = result if return_lse else (result, None)
     if width != head_dim:
         out = _narrowed(out, head_dim)
     return (out, lse) if return_lse else out
@@ -196,16 +197,18 @@ def _narrowed(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t[..., :head_dim].contiguous()
 
 
-def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band, softcap):
+def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band, softcap, return_lse):
     from stableflash.attention.triton import ops
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
     _, H, T, D = q.shape
     name = spec_name(policy, stabilize, q.dtype, D, max(T, k.shape[-2]))  # an untiled policy: one tile of each
-    out, _, lse, counts, smax = ops.flash_fwd(q, k, v, causal, float(scale), name, stats is not None,
-                                              float(stats.eps) if stats is not None else 0.0, *ops.band_fields(band),
-                                              softcap)
+    call = ops.Call(causal, float(scale), float(stats.eps) if stats is not None else None,
+                    None if band is None else (band.left, band.right, band.packed), softcap)
+    out, _, lse, counts, smax = ops.flash_fwd(q, k, v, None if band is None else band.keep, name, call.encode())
     if stats is not None:
         stats.add_counts(heads, counts, smax)
+    if not return_lse:
+        return out
     return out, lse.detach() / spec_named(name).units  # the kernels' units (base 2 natively): natural

@@ -1,12 +1,17 @@
 """The fused kernels as PyTorch operations: one `torch.library` custom op per direction, as flash-attn has them.
 
 `flash_fwd` and `flash_bwd` take the kernels' specialisation by its name (`spec.spec_name`: a string, which an op can
-carry), each with a fake implementation that describes its outputs (torch.compile, FakeTensor, `torch.export`), and
-`flash_fwd`'s gradient is `flash_bwd` (`register_autograd`). Eager calls and compiled graphs run the same ops; under
-torch.compile they are opaque nodes that launch the kernels when the graph runs.
+carry) and the call's scalars as one more string (`Call`), each with a fake implementation that describes its
+outputs (torch.compile, FakeTensor, `torch.export`), and `flash_fwd`'s gradient is `flash_bwd` (`register_autograd`).
+Eager calls and compiled graphs run the same ops; under torch.compile they are opaque nodes that launch the kernels
+when the graph runs.
 """
 
 from __future__ import annotations
+
+import ast
+import functools
+from typing import NamedTuple
 
 import torch
 
@@ -18,32 +23,46 @@ _FwdOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 _BwdOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def band_fields(band) -> tuple:
-    """A `launch.Band` (or None) as the ops' arguments: masked, left, right, keep, packed."""
-    return (False, -1, -1, None, False) if band is None else (True, band.left, band.right, band.keep, band.packed)
+class Call(NamedTuple):
+    """A call's arguments besides its tensors and its specialisation, which the ops carry as one string (`encode`):
+    torch's custom-op layer spends time quadratic in an op's argument count on every eager forward (`fill_defaults`,
+    in `register_autograd`'s context setup: ~41 µs at 14 arguments on a 2-core CPU, ~6 at 6)."""
+    causal: bool
+    scale: float
+    stats_eps: float | None = None  # the statistics' near-max eps, None without statistics
+    band: tuple[int, int, bool] | None = None  # a masked call's (left, right, packed): `launch.Band`, its keep apart
+    softcap: float = 0.0
+
+    def encode(self) -> str:
+        return repr(tuple(self))  # a float's repr reads back as the same float
 
 
-def _band(masked: bool, left: int, right: int, keep, packed: bool):
-    return launch.Band(left, right, keep, packed) if masked else None
+@functools.lru_cache(maxsize=4096)
+def decode(call: str) -> Call:
+    return Call(*ast.literal_eval(call))
+
+
+def _band(call: Call, keep: torch.Tensor | None):
+    return None if call.band is None else launch.Band(call.band[0], call.band[1], keep, call.band[2])
 
 
 @torch.library.custom_op("stableflash::flash_fwd", mutates_args=())
-def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, name: str,
-              stats: bool, stats_eps: float, masked: bool = False, left: int = -1, right: int = -1,
-              keep: torch.Tensor | None = None, packed: bool = False, softcap: float = 0.0) -> _FwdOutputs:
-    """(out, o_saved, lse, counts, max_score): `launch.forward`."""
-    return launch.forward(q, k, v, causal, scale, name, stats, stats_eps, band=_band(masked, left, right, keep, packed),
-                          softcap=softcap)
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, name: str,
+              call: str) -> _FwdOutputs:
+    """(out, o_saved, lse, counts, max_score): `launch.forward` for the spec `name` and the `Call` encoded in
+    `call`; `keep` the band's key-padding bytes or packed table (`launch.Band`), else None."""
+    c = decode(call)
+    return launch.forward(q, k, v, c.causal, c.scale, name, c.stats_eps is not None, c.stats_eps or 0.0,
+                          band=_band(c, keep), softcap=c.softcap)
 
 
 @flash_fwd.register_fake
-def _(q, k, v, causal, scale, name, stats, stats_eps, masked=False, left=-1, right=-1, keep=None, packed=False,
-      softcap=0.0):
+def _(q, k, v, keep, name, call):
     spec = spec_named(name)
     B, H, T, _ = q.shape
     out = launch.empty_in_layout_of(q, spec.out_dtype)
     o_saved = launch.empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else q.new_empty(0, dtype=out.dtype)
-    if stats:
+    if decode(call).stats_eps is not None:
         counts = q.new_empty(H, len(STAT_COLUMNS), dtype=torch.int64)
         smax = q.new_empty(H, dtype=torch.float32)
     else:
@@ -53,37 +72,33 @@ def _(q, k, v, causal, scale, name, stats, stats_eps, masked=False, left=-1, rig
 
 @torch.library.custom_op("stableflash::flash_bwd", mutates_args=())
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_saved: torch.Tensor,
-              lse: torch.Tensor, causal: bool, scale: float, name: str, masked: bool = False, left: int = -1,
-              right: int = -1, keep: torch.Tensor | None = None, packed: bool = False,
-              softcap: float = 0.0, atomic_dq: bool = False, group_sum: bool = True) -> _BwdOutputs:
-    """(dq, dk, dv): `launch.backward`."""
-    return launch.backward(dout, q, k, v, o_saved, lse, causal, scale, name,
-                           band=_band(masked, left, right, keep, packed), softcap=softcap, atomic_dq=atomic_dq,
-                           group_sum=group_sum)
+              lse: torch.Tensor, keep: torch.Tensor | None, name: str, call: str, atomic_dq: bool,
+              group_sum: bool) -> _BwdOutputs:
+    """(dq, dk, dv): `launch.backward`, for the forward's `name`, `call` and `keep`."""
+    c = decode(call)
+    return launch.backward(dout, q, k, v, o_saved, lse, c.causal, c.scale, name, band=_band(c, keep),
+                           softcap=c.softcap, atomic_dq=atomic_dq, group_sum=group_sum)
 
 
 @flash_bwd.register_fake
-def _(dout, q, k, v, o_saved, lse, causal, scale, name, masked=False, left=-1, right=-1, keep=None, packed=False,
-      softcap=0.0, atomic_dq=False, group_sum=True):
+def _(dout, q, k, v, o_saved, lse, keep, name, call, atomic_dq, group_sum):
     return (launch.empty_in_layout_of(q, q.dtype), launch.empty_in_layout_of(k, k.dtype),
             launch.empty_in_layout_of(k, v.dtype))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, name, _, _, masked, left, right, keep, packed, softcap = inputs
+    q, k, v, keep, name, call = inputs
     out, o_saved, lse, _, _ = output
     ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse, keep)
-    ctx.causal, ctx.scale, ctx.name, ctx.band, ctx.softcap = causal, scale, name, (masked, left, right, packed), softcap
+    ctx.name, ctx.call = name, call
     switches = options.current()  # the options in force at the forward choose its backward, wherever that runs
     ctx.backward_switches = (switches.atomic_dq, switches.group_sum_in_program)
 
 
 def _backward(ctx, dout, *_):
     q, k, v, o_saved, lse, keep = ctx.saved_tensors
-    masked, left, right, packed = ctx.band
-    dq, dk, dv = flash_bwd(dout, q, k, v, o_saved, lse, ctx.causal, ctx.scale, ctx.name, masked, left, right, keep,
-                           packed, ctx.softcap, *ctx.backward_switches)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    dq, dk, dv = flash_bwd(dout, q, k, v, o_saved, lse, keep, ctx.name, ctx.call, *ctx.backward_switches)
+    return dq, dk, dv, None, None, None
 
 
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
