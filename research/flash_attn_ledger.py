@@ -1,6 +1,8 @@
 """What the shards of flash-attn's test file have covered between them: per test function, the cases in scope and
 how many of them passed, failed, errored or were skipped, over every shard run so far, and the worker-seconds they
-took (pytest's time per case, summed): where the file's time goes, and how long the shards left would take.
+took (pytest's time per case, summed): where the file's time goes, and how long the shards left would take. Where a
+shard wrote `compiles.jsonl` (its cases' Triton compiles), also the seconds spent compiling: what a warm Triton cache
+would save.
 
 Each shard is one `research/flash_attn_tests.sh` output folder (its `cases.json` and `flash-attn-tests.xml`), run
 with the same SAMPLE N and its own SHARD K. A shard run twice counts once (its later run); shards of another N are
@@ -35,9 +37,14 @@ def read_shard(folder: Path) -> dict:
         name = f"{case.get('classname')}::{case.get('name')}"
         outcomes[name] = _outcome(case)
         seconds[name] = float(case.get("time", 0.0))
+    compiles = {}
+    if (folder / "compiles.jsonl").exists():
+        for line in (folder / "compiles.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            compiles[record["case"]] = record
     return {"sample": cases["sample_one_in"], "shard": cases.get("shard", 0),
             "in_scope": {name: counts["in_scope"] for name, counts in cases["functions"].items()},
-            "outcomes": outcomes, "seconds": seconds}
+            "outcomes": outcomes, "seconds": seconds, "compiles": compiles}
 
 
 def ledger(folders: list[Path]) -> dict:
@@ -51,15 +58,21 @@ def ledger(folders: list[Path]) -> dict:
     if not shards:
         raise ValueError("folders: expected at least one shard's output folder")
     in_scope = next(iter(shards.values()))["in_scope"]
-    per_function, seconds = defaultdict(Counter), Counter()
+    per_function, seconds, building = defaultdict(Counter), Counter(), defaultdict(Counter)
     for shard in shards.values():
         for case, outcome in shard["outcomes"].items():
             function = case.split("::")[-1].split("[")[0]
             per_function[function][outcome] += 1
             seconds[function] += shard["seconds"][case]
+        for case, record in shard["compiles"].items():
+            function = case.split("::")[-1].split("[")[0]
+            building[function].update({"compiled": record["compiled"], "loaded": record["loaded"],
+                                       "compile_s": record["compile_s"]})
     sample = next(iter(shards.values()))["sample"]
     functions = {name: {"in_scope": n, **{o: per_function[name][o] for o in OUTCOMES},
-                        "worker_seconds": round(seconds[name], 3)} for name, n in in_scope.items()}
+                        "worker_seconds": round(seconds[name], 3), "compiled": building[name]["compiled"],
+                        "loaded": building[name]["loaded"], "compile_seconds": round(building[name]["compile_s"], 3)}
+                 for name, n in in_scope.items()}
     done = sum(sum(f[o] for o in OUTCOMES) for f in functions.values())
     left = sum((f["in_scope"] - sum(f[o] for o in OUTCOMES)) * seconds[name] / max(1, sum(f[o] for o in OUTCOMES))
                for name, f in functions.items() if sum(f[o] for o in OUTCOMES))
@@ -67,6 +80,7 @@ def ledger(folders: list[Path]) -> dict:
             "in_scope": sum(in_scope.values()), "reported": done,
             "totals": {o: sum(f[o] for f in functions.values()) for o in OUTCOMES},
             "worker_seconds": round(sum(seconds.values()), 3),
+            "compile_seconds": round(sum(f["compile_seconds"] for f in functions.values()), 3),
             "worker_seconds_left": round(left, 3), "functions": functions}
 
 
@@ -76,15 +90,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the ledger as JSON here")
     args = parser.parse_args()
     result = ledger(args.folders)
-    print(f"{'function':45s} {'in scope':>9s} " + " ".join(f"{o:>8s}" for o in OUTCOMES) + f" {'worker s':>9s}")
+    print(f"{'function':45s} {'in scope':>9s} " + " ".join(f"{o:>8s}" for o in OUTCOMES)
+          + f" {'worker s':>9s} {'compiled':>9s} {'compile s':>10s}")
     for name, row in sorted(result["functions"].items()):
         print(f"{name:45s} {row['in_scope']:9d} " + " ".join(f"{row[o]:8d}" for o in OUTCOMES)
-              + f" {row['worker_seconds']:9.0f}")
+              + f" {row['worker_seconds']:9.0f} {row['compiled']:9d} {row['compile_seconds']:10.0f}")
     print(f"shards run {len(result['shards_run'])} of {result['sample_one_in']}; cases reported "
           f"{result['reported']} of {result['in_scope']} in scope; " +
           ", ".join(f"{n} {o}" for o, n in result["totals"].items()))
     print(f"worker-seconds so far {result['worker_seconds']:.0f}; the cases left, at each function's mean so far: "
           f"{result['worker_seconds_left']:.0f} (functions with no case reported yet not counted)")
+    print(f"of the worker-seconds, compiling Triton kernels: {result['compile_seconds']:.0f} (where the shards wrote "
+          "compiles.jsonl)")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

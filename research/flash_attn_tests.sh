@@ -4,7 +4,7 @@
 # rotary) from the flash-attn checkout REPO (git-ignored, never copied in). Dropout, ALiBi and the extension's
 # private entry points are deselected (research/flash_attn_shim/upstream_cases.py); SAMPLE N runs one case in N
 # of each large test function (default 1: all). Writes OUT/flash-attn-tests.{log,xml}, OUT/cases.json and
-# OUT/failures.jsonl (each failure's error, as it happens). Arguments after SAMPLE go to pytest (say, -k to pick cases).
+# OUT/failures.jsonl (each failure's error, as it happens) and OUT/compiles.jsonl (each case's Triton compiles). Arguments after SAMPLE go to pytest (say, -k to pick cases).
 # SHARD=K (0 <= K < SAMPLE) runs the K-th of SAMPLE disjoint shards instead of the first: shards 0..SAMPLE-1 cover
 # every case in scope between them, so calls that each fit a time limit can run the whole file
 # (research/flash_attn_ledger.py adds up what the shards run so far have covered).
@@ -26,6 +26,7 @@ ${LIMIT_S:+timeout -s INT -k 60 $LIMIT_S} python3 -m pytest "$FLASH_ATTN_REPO/te
   --upstream-sample "$sample" \
   --upstream-shard "${SHARD:-0}" \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
+  --upstream-compiles "$out/compiles.jsonl" \
   --junitxml "$out/flash-attn-tests.xml" $([ "${TILES:-fixed}" = fixed ] && echo --upstream-fixed-tiles) "$@" > "$out/flash-attn-tests.log" 2>&1
 status=$?
 grep -oE "(PASSED|FAILED|SKIPPED|ERROR) [^ ]+::[a-z_]+" "$out/flash-attn-tests.log" | sort | uniq -c

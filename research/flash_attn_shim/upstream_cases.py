@@ -17,6 +17,10 @@ why each case failed. A case that leaves the GPU unusable (a CUDA error: an ille
 its worker after it is reported, so that pytest-xdist starts a fresh one and the later cases do not inherit the
 broken CUDA context. `--upstream-fixed-tiles` launches every kernel at its first candidate tile instead of
 autotuning each of the file's many shapes (`KernelOptions.autotune`): the cases test results, not speed.
+
+`--upstream-compiles FILE` appends one JSON line per case that made Triton build a kernel: how many it compiled and
+the seconds that took, and how many it loaded from Triton's on-disk cache (Triton's `knobs.compilation.listener`).
+With the cases' times (the junit report) this says how much of a run is compiling, which a warm cache would save.
 """
 
 import json
@@ -31,6 +35,7 @@ CONTEXT_LOST = ("illegal memory access", "illegal address", "unspecified launch 
                 "device-side assert")
 _failures_path = None  # `--upstream-failures`, read at configure time (a report hook gets no config)
 _controller = False  # pytest-xdist's controller: its workers record their own failures, it records their crashes
+_builds = Counter()  # this process's Triton builds during the running case: compiled, loaded, compile_us
 
 
 def pytest_addoption(parser):
@@ -43,6 +48,8 @@ def pytest_addoption(parser):
     parser.addoption("--upstream-failures", default=None, help="append each failure to this JSON-lines file")
     parser.addoption("--upstream-fixed-tiles", action="store_true", help="launch the kernels untuned, at their "
                      "first candidate tile")
+    parser.addoption("--upstream-compiles", default=None, help="append each case's Triton compiles to this JSON-lines "
+                     "file")
 
 
 def _in_scope(item) -> bool:
@@ -96,6 +103,28 @@ def pytest_configure(config):
     if config.getoption("--upstream-fixed-tiles"):
         from stableflash.attention.triton import set_kernel_options
         set_kernel_options(autotune=False)
+    if config.getoption("--upstream-compiles") and not _controller:
+        import triton
+        triton.knobs.compilation.listener = _count_build
+
+
+def _count_build(*, src, metadata, metadata_group, times, cache_hit):
+    if cache_hit:
+        _builds["loaded"] += 1
+    else:
+        _builds["compiled"] += 1
+        _builds["compile_us"] += times.total
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _builds.clear()
+    yield
+    path = item.config.getoption("--upstream-compiles")
+    if path and _builds:
+        with open(path, "a") as f:
+            f.write(json.dumps({"case": item.nodeid, "compiled": _builds["compiled"], "loaded": _builds["loaded"],
+                                "compile_s": round(_builds["compile_us"] / 1e6, 3)}) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -157,3 +157,63 @@ def test_fixed_tiles_turn_autotuning_off_in_each_process(tmp_path):
                           cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True,
                           text=True, timeout=300)
     assert "1 passed" in done.stdout, done.stdout[-2000:]
+
+
+BUILDS = '''
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+@triton.jit
+def _copy(X, Y):
+    tl.store(Y, tl.load(X))
+
+def _build():
+    source = ASTSource(_copy, signature={"X": "*fp32", "Y": "*fp32"}, constexprs={})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+def test_a_compiles():
+    _build()
+
+def test_b_loads_it():
+    _build()
+
+def test_c_builds_nothing():
+    pass
+'''
+
+
+def test_each_cases_triton_compiles_are_recorded(tmp_path):
+    """A case that compiles a kernel (offline, for sm_90: no GPU needed) is recorded with its compile time, one that
+    finds it in Triton's on-disk cache as loaded, one that builds nothing not at all."""
+    (tmp_path / "test_upstream.py").write_text(BUILDS)
+    done = subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-o", "addopts=", "-p",
+                           "upstream_cases", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           "--upstream-compiles", "compiles.jsonl"],
+                          cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin",
+                                             "TRITON_CACHE_DIR": str(tmp_path / "cache")},
+                          capture_output=True, text=True, timeout=300)
+    assert "3 passed" in done.stdout, done.stdout[-2000:]
+    records = {json.loads(line)["case"].split("::")[1]: json.loads(line)
+               for line in (tmp_path / "compiles.jsonl").read_text().splitlines()}
+    assert sorted(records) == ["test_a_compiles", "test_b_loads_it"]
+    assert records["test_a_compiles"]["compiled"] == 1 and records["test_a_compiles"]["compile_s"] > 0
+    assert records["test_b_loads_it"]["compiled"] == 0 and records["test_b_loads_it"]["loaded"] == 1
+
+
+def test_the_ledger_adds_up_the_compile_time(tmp_path):
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_ledger import ledger
+
+    (tmp_path / "cases.json").write_text(json.dumps({"sample_one_in": 1, "shard": 0, "functions": {
+        "test_output": {"in_scope": 2}}}))
+    (tmp_path / "flash-attn-tests.xml").write_text("<testsuites><testsuite>" + "".join(
+        f"<testcase classname='tests.test_flash_attn' name='test_output[{n}]' time='3.0'/>" for n in range(2))
+        + "</testsuite></testsuites>")
+    (tmp_path / "compiles.jsonl").write_text(json.dumps(
+        {"case": "tests/test_flash_attn.py::test_output[0]", "compiled": 2, "loaded": 1, "compile_s": 2.5}) + "\n")
+    result = ledger([tmp_path])
+    row = result["functions"]["test_output"]
+    assert (row["compiled"], row["loaded"], row["compile_seconds"]) == (2, 1, 2.5)
+    assert result["compile_seconds"] == 2.5 and result["worker_seconds"] == 6.0
