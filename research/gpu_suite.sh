@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores).
 #   research/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf|
-#                                 decode|atomic-dq|breakdown|heads|sweep]...
+#                                 decode|atomic-dq|breakdown|heads|host|sweep]...
 #   (default: tests bench)
 # train: the compiled training step's throughput, sdpa against our kernels, six interleaved rounds
 # profile: a profile of the compiled training step
@@ -15,8 +15,10 @@
 # decode: one decoding step's attention (the decoding kernel, paged, the flash kernels, SDPA) at five cache sizes
 # atomic-dq: SFA's backward with dQ added by the dK/dV programs against the default and cuDNN, at the benchmark's
 #   shapes; breakdown: the per-kernel device time of both against cuDNN's (research/kernel_breakdown.py)
-# heads: head dims 80, 96 (zero-padded to 128), 160 (to 256) and 256 against 128, ours and SDPA's
+# heads: head dims 80, 96 (padded to 128), 160 (to 256) and 256 against 128, ours and SDPA's
 #   (docs/speed-predictions.md)
+# host: the eager call's host and device time at (16, 12, 1024, 64), this tree's and, with HOST_BEFORE=DIR (a
+#   `git archive` of another commit's stableflash/, carried), that tree's in the same call (research/eager_host.py)
 # sweep: the random differential sweep of the public calls against a dense fp64 softmax (research/attention_sweep.py),
 #   SWEEP_S seconds (default 240) of fresh cases from SWEEP_SEED (default 0)
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
@@ -77,6 +79,11 @@ for part in $parts; do
              --out "$out/attention-heads.json" 2>&1 | grep -v Warning | tee "$out/attention-heads.log" ;;
     breakdown) python3 research/kernel_breakdown.py --out "$out/kernel-breakdown.json" 2>&1 | grep -v Warning \
                  | tee "$out/kernel-breakdown.log" ;;
+    host) python3 research/eager_host.py --out "$out/eager-host.json" 2>&1 | grep -v Warning | tee "$out/eager-host.log"
+          if [ -n "${HOST_BEFORE:-}" ]; then
+            PYTHONPATH=$HOST_BEFORE python3 research/eager_host.py --out "$out/eager-host-before.json" 2>&1 \
+              | grep -v Warning | tee "$out/eager-host-before.log"
+          fi ;;
     sweep) python3 research/attention_sweep.py --device cuda --budget-s "${SWEEP_S:-240}" --seed "${SWEEP_SEED:-0}" \
              --cases 1000000 --out "$out/attention-sweep.json" 2>&1 | grep -v Warning | tail -40 \
              | tee "$out/attention-sweep.log"; status=$((status | PIPESTATUS[0])) ;;

@@ -1056,9 +1056,9 @@ NARROW_HEADS = {  # head dim, kernels' width: padded to the next of `HEAD_DIMS`
 @pytest.mark.parametrize("stabilize", [None, SFA()], ids=["plain", "sfa"])
 @pytest.mark.parametrize("heads", list(NARROW_HEADS))
 def test_head_dims_between_the_kernels_run_zero_padded_and_exact(heads, stabilize):
-    """A head dim the kernels are not compiled for runs at the next one, its inputs zero-padded: the same bits as a
-    call on inputs padded by hand (zero columns change no kept value), outputs and gradients in the inputs' memory
-    order and within twice the reference's error against fp64; the statistics count as at the padded width."""
+    """A head dim the kernels are not compiled for runs at the next one, padded inside the native kernels: the same
+    bits as a call on inputs padded by hand (zero columns change no kept value), outputs and gradients in the inputs'
+    memory order and within twice the reference's error against fp64; the statistics count as at the padded width."""
     from stableflash.attention import triton as backend
 
     D, width = NARROW_HEADS[heads]
@@ -1085,6 +1085,36 @@ def test_head_dims_between_the_kernels_run_zero_padded_and_exact(heads, stabiliz
         assert torch.equal(a, b), (name, f"seed {seed}")
     assert torch.equal(stats.repeated_max_rows, padded_stats.repeated_max_rows), f"seed {seed}"
     _assert_within_twice_the_references_error_against_fp64(ours, q, k, v, dout, seed, stabilize, causal=True)
+
+
+@pytest.mark.parametrize("precision", ["fa2", "paper"])
+def test_a_padded_head_dim_saves_no_padded_copy_under_native_numerics(precision):
+    """Under production numerics the kernels pad inside themselves: what the forward saves for the backward has the
+    inputs' head dim, never the padded one. The emulation kernels (`paper`) take padded copies, saved as such, and
+    still give the bits of padding by hand."""
+    from stableflash.attention import triton as backend
+
+    D, width = (24, 32) if INTERPRET else (80, 128)
+    q, k, v = _inputs((1, 2, 40, D))
+    dout = torch.randn_like(q)
+    widths = []
+
+    def note(t):
+        widths.append(t.shape[-1] if t.dim() == 4 else None)
+        return t
+
+    kw = dict(causal=True, scale=D**-0.5, policy=resolve(precision))
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        out = backend.attention(q, k, v, **kw)
+    assert (width in widths) == (precision == "paper"), widths
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+
+    def by_hand(q, k, v):
+        return backend.attention(*(torch.nn.functional.pad(t, (0, width - D)) for t in (q, k, v)), **kw)[..., :D]
+
+    wide = by_hand(q, k, v)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], (out, *ours), (wide, *torch.autograd.grad(wide, (q, k, v), dout))):
+        assert torch.equal(a, b), name
 
 
 def test_head_dims_above_the_widest_kernel_are_refused_by_name():

@@ -38,7 +38,7 @@ __all__ = ["attention", "supports", "supports_policy", "supports_masks", "suppor
 
 def supports(q: torch.Tensor) -> bool:
     """Whether the kernels take inputs shaped and typed like `q`: head dims up to 256 (those between `HEAD_DIMS`
-    zero-padded to the next), fp16 or bf16."""
+    padded to the next: inside the native kernels, by copies for the emulation kernels), fp16 or bf16."""
     return kernel_head_dim(q.shape[-1]) is not None and q.dtype in INPUT_DTYPES
 
 
@@ -134,8 +134,7 @@ def pick_tiles(shape: tuple[int, int, int, int], *, precision="fa2", stabilize=N
     from stableflash.attention.triton.tuning import TILE_PICKS
 
     B, H, T, D = shape
-    D = kernel_head_dim(D)  # what the kernels launch at; a narrower head is padded to it
-    if D is None or not supports_policy(resolve(precision), stabilize, dtype):
+    if kernel_head_dim(D) is None or not supports_policy(resolve(precision), stabilize, dtype):
         return len(TILE_PICKS)
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, dtype=dtype, device=device, generator=generator).transpose(1, 2)
@@ -169,18 +168,11 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
                                                                                    q.shape[-1]):
         raise ValueError("softcap: the 'triton' backend caps scores only under production FA2 numerics without a "
                          "per-head policy override; use backend='reference' or 'auto'")
-    head_dim, width = q.shape[-1], kernel_head_dim(q.shape[-1])
-    if width is None:
-        raise ValueError(f"q: the triton backend takes head dims up to {HEAD_DIMS[-1]}, got {head_dim}")
-    if width != head_dim:
-        q, k, v = (_widened(t, width) for t in (q, k, v))
-    result = split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
+    if kernel_head_dim(q.shape[-1]) is None:
+        raise ValueError(f"q: the triton backend takes head dims up to {HEAD_DIMS[-1]}, got {q.shape[-1]}")
+    return split_heads(q, k, v, policy, lambda q, k, v, pol, heads: _attention(
         q, k, v, causal=causal, scale=scale, policy=pol, stabilize=stabilize, stats=stats, heads=heads, band=band,
         softcap=float(softcap), return_lse=return_lse))
-    out, lse = result if return_lse else (result, None)
-    if width != head_dim:
-        out = _narrowed(out, head_dim)
-    return (out, lse) if return_lse else out
 
 
 def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -203,10 +195,16 @@ def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band,
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
     _, H, T, D = q.shape
-    name = spec_name(policy, stabilize, q.dtype, D, max(T, k.shape[-2]))  # an untiled policy: one tile of each
+    width = kernel_head_dim(D)
+    name = spec_name(policy, stabilize, q.dtype, width, max(T, k.shape[-2]))  # an untiled policy: one tile of each
+    copies = width != D and not spec_named(name).native  # the native kernels pad a narrower head dim themselves
+    if copies:
+        q, k, v = (_widened(t, width) for t in (q, k, v))
     call = ops.Call(causal, float(scale), float(stats.eps) if stats is not None else None,
                     None if band is None else (band.left, band.right, band.packed), softcap)
     out, _, lse, counts, smax = ops.flash_fwd(q, k, v, None if band is None else band.keep, name, call.encode())
+    if copies:
+        out = _narrowed(out, D)
     if stats is not None:
         stats.add_counts(heads, counts, smax)
     if not return_lse:

@@ -101,9 +101,25 @@ def query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOC
 
 
 @triton.jit
-def load_rows(ptr, offs, stride_t, T, HEAD_DIM: tl.constexpr):
-    """A (len(offs), HEAD_DIM) tile of rows `offs` of one head; rows past T read as 0."""
-    return tl.load(ptr + offs[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :], mask=offs[:, None] < T, other=0.0)
+def load_rows(ptr, offs, stride_t, T, HEAD_DIM: tl.constexpr, D_IN: tl.constexpr = 0):
+    """A (len(offs), HEAD_DIM) tile of rows `offs` of one head; rows past T read as 0, and with D_IN (the inputs'
+    head dim, below HEAD_DIM: padded in the kernel) so do the columns past it."""
+    cols = tl.arange(0, HEAD_DIM)
+    mask = offs[:, None] < T  # the mask before the addresses: the unpadded kernels' PTX as it was
+    if D_IN:
+        mask = mask & (cols[None, :] < D_IN)
+    return tl.load(ptr + offs[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def load_all_rows(ptr, offs, stride_t, HEAD_DIM: tl.constexpr, D_IN: tl.constexpr = 0):
+    """`load_rows` where every row exists (no row mask): only a padded head dim's columns (D_IN) are masked."""
+    cols = tl.arange(0, HEAD_DIM)
+    if D_IN:
+        t = tl.load(ptr + offs[:, None] * stride_t + cols[None, :], mask=cols[None, :] < D_IN, other=0.0)
+    else:
+        t = tl.load(ptr + offs[:, None] * stride_t + cols[None, :])
+    return t
 
 
 @triton.jit
@@ -114,10 +130,14 @@ def load_lse(LSE, offs, T):
 
 
 @triton.jit
-def store_rows(ptr, x, offs, stride_t, T, HEAD_DIM: tl.constexpr):
-    """Rows `offs` of one head, cast to the pointer's dtype with round-to-nearest-even; rows past T skipped."""
-    ptrs = ptr + offs[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(ptrs, cast(x, ptr.dtype.element_ty), mask=offs[:, None] < T)
+def store_rows(ptr, x, offs, stride_t, T, HEAD_DIM: tl.constexpr, D_IN: tl.constexpr = 0):
+    """Rows `offs` of one head, cast to the pointer's dtype with round-to-nearest-even; rows past T skipped, and with
+    D_IN (a head dim padded in the kernel) the columns past it."""
+    cols = tl.arange(0, HEAD_DIM)
+    mask = offs[:, None] < T
+    if D_IN:
+        mask = mask & (cols[None, :] < D_IN)
+    tl.store(ptr + offs[:, None] * stride_t + cols[None, :], cast(x, ptr.dtype.element_ty), mask=mask)
 
 
 # A packed batch's sequences (SEG) reach the kernels as one (4, T + TK) int32 table, row stride `stride_keep`:

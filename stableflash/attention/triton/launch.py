@@ -18,7 +18,7 @@ import triton
 
 from stableflash.attention.stats import STAT_COLUMNS
 from stableflash.attention.triton import emulation, native, options
-from stableflash.attention.triton.spec import INTERPRET, KernelSpec, native_scales, spec_named
+from stableflash.attention.triton.spec import INTERPRET, KernelSpec, kernel_head_dim, native_scales, spec_named
 from stableflash.attention.triton.tuning import (
     DELTA_CONFIG,
     INTERPRETER_CONFIG,
@@ -214,6 +214,20 @@ def _hopper_constants(name: str, head_dim: int, dtype: torch.dtype, causal: bool
     return constants, triton.Config({}, num_warps=tile.warps)
 
 
+def _head_dims(q, spec: KernelSpec) -> tuple[int, dict]:
+    """The kernels' head dim for q's, and the switch that pads q's inside the native kernels where it is narrower
+    (`D_IN`: columns past it read as 0 and are not stored; absent otherwise, so the picks keep their keys). The
+    emulation kernels take their head dim whole (`attention` pads by copies for them)."""
+    d_in = q.shape[-1]
+    width = kernel_head_dim(d_in)
+    if width == d_in:
+        return width, {}
+    if not spec.native:
+        raise ValueError(f"q: head dim {d_in} under the emulation kernels ({spec.name!r}): they take only the head "
+                         f"dims they compile, {width} here (`attention` pads by copies for them)")
+    return width, {"D_IN": d_in}
+
+
 def _check_softcap(softcap: float, spec: KernelSpec) -> None:
     if softcap > 0 and not spec.native:
         raise ValueError(f"softcap: the fused kernels cap scores only under production FA2 numerics, not {spec.name!r}")
@@ -239,7 +253,8 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     _check_band(band, spec)
     _check_softcap(softcap, spec)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    B, H, T, D = q.shape
+    B, H, T, _ = q.shape
+    D, padded = _head_dims(q, spec)
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else q.new_empty(0, dtype=out.dtype)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -261,7 +276,8 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
                 emulation_config(spec.ops_fp32, D))
         return out, o_saved, lse, counts, smax
 
-    tile = hopper_forward_tile(spec, q, k, v, stats, softcap) if band is None else None  # the Gluon forward: no mask
+    # the Gluon forward: no mask, no padded head dim
+    tile = hopper_forward_tile(spec, q, k, v, stats, softcap) if band is None and not padded else None
     if tile is not None:
         _allow_device_descriptors()
         constants, config = _hopper_constants(name, D, q.dtype, causal, tile, stats)
@@ -270,8 +286,8 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
         return out, o_saved, lse, counts, smax
 
     kernel_scale, kernel_softcap, capped = _scales(scale, softcap)
-    meta = {**spec.forward_constants, **launch, **_band_meta(band), **capped}
-    either = _tma_candidates(spec, D, k, v)
+    meta = {**spec.forward_constants, **launch, **_band_meta(band), **capped, **padded}
+    either = _tma_candidates(spec, D, k, v) and not padded
     if either:
         _allow_device_descriptors()
 
@@ -297,14 +313,15 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     _check_band(band, spec)
     _check_softcap(softcap, spec)
     q, k, v, dout, o_saved = (last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
-    B, H, T, D = q.shape
+    B, H, T, D_IN = q.shape
+    D, padded = _head_dims(q, spec)
     G, TK = H // k.shape[1], k.shape[-2]
     strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     dq = empty_in_layout_of(q, q.dtype)
     shares = G > 1 and not (spec.native and group_sum)
     if shares:  # one query head's share each, in the input dtype (flash-attn 2's order), summed over the group below
-        dk, dv = (torch.empty(B, H, TK, D, dtype=t.dtype, device=t.device) for t in (k, v))
+        dk, dv = (torch.empty(B, H, TK, D_IN, dtype=t.dtype, device=t.device) for t in (k, v))
     else:
         dk = empty_in_layout_of(k, k.dtype)
         dv = empty_in_layout_of(k, v.dtype)  # dK's strides: the kernel writes both through one set
@@ -315,7 +332,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     dq_acc = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device) if atomic_dq else \
         torch.empty(0, dtype=torch.float32, device=q.device)  # what the dK/dV programs add dQ / scale into
     masking = _band_args(band, T, TK, lse)
-    launch = {"HEAD_DIM": D, "CAUSAL": causal, **_band_meta(band, spec.native)}
+    launch = {"HEAD_DIM": D, "CAUSAL": causal, **_band_meta(band, spec.native), **padded}
 
     def rows(m):
         return _ceil_div(T, m["BLOCK_M"]), B * H
@@ -327,7 +344,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         return (B * H // G, tiles) if in_program else (tiles, B * H)
 
     if spec.native:
-        either = _tma_candidates(spec, D, q, k, v, dout)
+        either = _tma_candidates(spec, D, q, k, v, dout) and not padded
         if either:
             _allow_device_descriptors()
         grouped = {"GROUP": G} if in_program else {}  # absent otherwise: MHA's picks keep their keys
@@ -335,7 +352,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         scales = (kernel_scale, scale)  # the scores' (`_scales`), and dQ's and dK's natural one
         if atomic_dq:  # δ alone; dQ comes from the dK/dV programs
             _launch(native._attn_bwd_delta, rows, (o_saved, dout, delta, _strides(o_saved), _strides(dout), H, T),
-                    {"HEAD_DIM": D}, DELTA_CONFIG)
+                    {"HEAD_DIM": D, **padded}, DELTA_CONFIG)
         else:
             _launch_tuned(NATIVE_DQ, rows, (*dq_args, *scales, masking, kernel_softcap), {**launch, **capped}, T=T,
                           dtype=q.dtype, either=either)
@@ -344,7 +361,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
         _launch_tuned(NATIVE_DKDV, cols, (*native_dkdv, *scales, masking, kernel_softcap),
                       {**launch, **grouped, **capped, **atomic}, T=T, dtype=q.dtype, either=either)
         if atomic_dq:  # scaled and cast in one pass over the fp32 sums (as the default's fp32 dQ * scale, then cast)
-            torch.mul(dq_acc, scale, out=dq)
+            torch.mul(dq_acc[..., :D_IN], scale, out=dq)
     else:
         config = emulation_config(spec.ops_fp32, D)
         if spec.delta_constants is not None:

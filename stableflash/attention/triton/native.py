@@ -14,7 +14,8 @@ TK keys against T queries with a band (causal aligned to the bottom right, a sli
 with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), or with `PAD` and `SEG` a packed batch of sequences whose
 queries and keys may differ in length (`KEEP`, the (4, T + TK) int32 table `common.py` describes; the band aligned
 to each sequence's bottom right): every tile it visits is masked, and only tiles the band and the sequences reach
-are visited.
+are visited; `D_IN`, the inputs' head dim where it is below `HEAD_DIM`, pads it inside the kernel (loads read the
+columns past it as 0, stores leave them out; not with TMA).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from stableflash.attention.triton.common import (
     head_offset,
     key_tags,
     kv_head_offset,
+    load_all_rows,
     load_lse,
     load_rows,
     packed_keys,
@@ -65,15 +67,16 @@ def _head_rows(X, x_off, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr
 
 @triton.jit
 def _tile_rows(X, x_off, start, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
-               MASKED: tl.constexpr = True):
+               MASKED: tl.constexpr = True, D_IN: tl.constexpr = 0):
     """Rows start..start+ROWS of one head (from its descriptor under TMA, else through pointers X + x_off); rows
-    past T read as 0 unless the caller knows there are none (MASKED False)."""
+    past T read as 0 unless the caller knows there are none (MASKED False); a padded head dim's columns past D_IN
+    read as 0 (`common.load_rows`)."""
     if TMA:
         t = X.load([start, 0])
     elif MASKED:
-        t = load_rows(X + x_off, start + tl.arange(0, ROWS), stride_t, T, HEAD_DIM)
+        t = load_rows(X + x_off, start + tl.arange(0, ROWS), stride_t, T, HEAD_DIM, D_IN)
     else:
-        t = tl.load(X + x_off + (start + tl.arange(0, ROWS))[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :])
+        t = load_all_rows(X + x_off, start + tl.arange(0, ROWS), stride_t, HEAD_DIM, D_IN)
     return t
 
 
@@ -84,7 +87,7 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
               smax, eps, TQ, LEFT, RIGHT, key_row, qtags, aligned, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
               CAUSAL: tl.constexpr, MASKED: tl.constexpr, STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr,
               LOW: tl.constexpr, HIGH: tl.constexpr, BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, TMA: tl.constexpr,
-              MASK: tl.constexpr, PAD: tl.constexpr, softcap, SOFTCAP: tl.constexpr):
+              MASK: tl.constexpr, PAD: tl.constexpr, softcap, SOFTCAP: tl.constexpr, D_IN: tl.constexpr):
     """One key tile of the online softmax (T: the keys' length; TQ the queries', read under MASK).
 
     Scores are scaled (and rounded: `mul_rn`) before their maximum, so that the row's maximum gives exp2(0) = 1
@@ -94,8 +97,12 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
         kt = tl.trans(K.load([start_n, 0]))
     else:  # Kᵀ loaded as such
         kt_ptrs = K + k_off + offs_n[None, :] * stride_kt + tl.arange(0, HEAD_DIM)[:, None]
-        if MASKED:
+        if MASKED and D_IN:
+            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < T) & (tl.arange(0, HEAD_DIM)[:, None] < D_IN), other=0.0)
+        elif MASKED:
             kt = tl.load(kt_ptrs, mask=offs_n[None, :] < T, other=0.0)
+        elif D_IN:
+            kt = tl.load(kt_ptrs, mask=tl.arange(0, HEAD_DIM)[:, None] < D_IN, other=0.0)
         else:
             kt = tl.load(kt_ptrs)
     s, _ = scores(dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), False), scale, softcap, SOFTCAP=SOFTCAP,
@@ -140,7 +147,7 @@ def _fwd_tile(q, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, s
             ones += (cast(top, q.dtype) == 1.0).to(tl.int32)
     alpha = tl.math.exp2(m - m_shift)
     l = l * alpha + tl.sum(p, 1)
-    v = _tile_rows(V, v_off, start_n, stride_vt, T, BLOCK_N, HEAD_DIM, TMA, MASKED)
+    v = _tile_rows(V, v_off, start_n, stride_vt, T, BLOCK_N, HEAD_DIM, TMA, MASKED, D_IN)
     acc = dot(p_op, v, acc * alpha[:, None], False)
     return m_new, l, acc, repeated, ones, smax
 
@@ -153,8 +160,10 @@ def _attn_fwd(
     STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
     BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    D_IN: tl.constexpr = 0,
 ):
-    """O and the base-2 lse of one query tile; `scale` and `eps` in base-2 units (`scale` natural under SOFTCAP)."""
+    """O and the base-2 lse of one query tile; `scale` and `eps` in base-2 units (`scale` natural under SOFTCAP).
+    D_IN: the inputs' head dim where it is below HEAD_DIM, padded in the kernel (0: HEAD_DIM)."""
     stride_qb, stride_qh, stride_qt = q_strides
     stride_kb, stride_kh, stride_kt = k_strides
     stride_vb, stride_vh, stride_vt = v_strides
@@ -170,7 +179,7 @@ def _attn_fwd(
     k_off = kv_head_offset(bh, H, G, stride_kb, stride_kh)
     v_off = kv_head_offset(bh, H, G, stride_vb, stride_vh)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM, D_IN)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -195,7 +204,7 @@ def _attn_fwd(
                 TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
                 BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, MASKED=True, MASK=True, PAD=PAD, STAB=STAB,
                 STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED, CLAMP_CEIL=CLAMP_CEIL, TMA=TMA,
-                SOFTCAP=SOFTCAP)
+                SOFTCAP=SOFTCAP, D_IN=D_IN)
     else:
         # key tiles left of the diagonal (causal) or before the ragged end need no mask
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
@@ -207,7 +216,7 @@ def _attn_fwd(
                 TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
                 BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=False, MASK=False, PAD=False, STAB=STAB,
                 STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED, CLAMP_CEIL=CLAMP_CEIL, TMA=TMA,
-                SOFTCAP=SOFTCAP)
+                SOFTCAP=SOFTCAP, D_IN=D_IN)
         for start_n in range(free, hi, BLOCK_N):
             m, l, acc, repeated, ones, smax = _fwd_tile(
                 q=q, K=KS, V=VS, k_off=k_off, v_off=v_off, start_n=start_n, offs_m=offs_m, T=T, stride_kt=stride_kt,
@@ -215,11 +224,11 @@ def _attn_fwd(
                 TQ=T, LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
                 BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=True, MASK=False, PAD=False, STAB=STAB,
                 STATS=STATS, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED, CLAMP_CEIL=CLAMP_CEIL, TMA=TMA,
-                SOFTCAP=SOFTCAP)
+                SOFTCAP=SOFTCAP, D_IN=D_IN)
 
     empty = m == float("-inf")  # rows that see no key: O = 0, lse = -inf
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
-    store_rows(O + head_offset(bh, H, stride_ob, stride_oh), o, offs_m, stride_ot, T, HEAD_DIM)
+    store_rows(O + head_offset(bh, H, stride_ob, stride_oh), o, offs_m, stride_ot, T, HEAD_DIM, D_IN)
     row_ok = offs_m < T
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, tl.where(empty, float("-inf"), m + tl.math.log2(l)), mask=row_ok)
     if STATS:
@@ -265,10 +274,10 @@ def _probs_t(k, q, lse, offs_n, offs_m, T, scale, TK, LEFT, RIGHT, qtags, ktags,
 def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_kt, stride_vt, qk_scale, dq, TK, LEFT,
              RIGHT, key_row, qtags, aligned, softcap, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
              CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, PAD: tl.constexpr,
-             SOFTCAP: tl.constexpr):
+             SOFTCAP: tl.constexpr, D_IN: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _tile_rows(K, k_off, start_n, stride_kt, TK, BLOCK_N, HEAD_DIM, TMA)
-    v = _tile_rows(V, v_off, start_n, stride_vt, TK, BLOCK_N, HEAD_DIM, TMA)
+    k = _tile_rows(K, k_off, start_n, stride_kt, TK, BLOCK_N, HEAD_DIM, TMA, D_IN=D_IN)
+    v = _tile_rows(V, v_off, start_n, stride_vt, TK, BLOCK_N, HEAD_DIM, TMA, D_IN=D_IN)
     p, slope = _probs(q=q, k=k, lse=lse, offs_m=offs_m, offs_n=offs_n, T=T, scale=qk_scale, TK=TK, LEFT=LEFT,
                       RIGHT=RIGHT, qtags=qtags, ktags=key_tags(key_row, offs_n, TK, PAD), aligned=aligned,
                       softcap=softcap, CAUSAL=CAUSAL, MASKED=MASKED, MASK=MASK, SOFTCAP=SOFTCAP)
@@ -285,6 +294,7 @@ def _attn_bwd_dq(
     qk_scale, scale, band, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    D_IN: tl.constexpr = 0,
 ):
     """dQ (strides `g_strides`) of one query tile, over the key tiles it sees. It first computes its rows'
     δ = rowsum(dO ∘ O) and stores it for the dK/dV kernel, launched after it: one launch fewer than a δ pass."""
@@ -298,11 +308,11 @@ def _attn_bwd_dq(
     qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
     pid_m = tl.program_id(0)
     bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
-    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
-    o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
+    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM, D_IN)
+    o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM, D_IN)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # before Q is loaded: fewer tiles live at once
     tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
-    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM, D_IN)
     lse = load_lse(LSE + row_off, offs_m, T)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
 
@@ -321,7 +331,7 @@ def _attn_bwd_dq(
                           offs_m=offs_m, T=T, stride_kt=stride_kt, stride_vt=stride_vt, qk_scale=qk_scale, dq=dq, TK=TK,
                           LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
                           BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=False, MASKED=True, TMA=TMA, MASK=True, PAD=PAD,
-                          SOFTCAP=SOFTCAP)
+                          SOFTCAP=SOFTCAP, D_IN=D_IN)
     else:
         free = pid_m * BLOCK_M if CAUSAL else (T // BLOCK_N) * BLOCK_N
         hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T
@@ -330,14 +340,14 @@ def _attn_bwd_dq(
                           offs_m=offs_m, T=T, stride_kt=stride_kt, stride_vt=stride_vt, qk_scale=qk_scale, dq=dq, TK=T,
                           LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
                           BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=False, TMA=TMA, MASK=False,
-                          PAD=False, SOFTCAP=SOFTCAP)
+                          PAD=False, SOFTCAP=SOFTCAP, D_IN=D_IN)
         for start_n in range(free, hi, BLOCK_N):
             dq = _dq_tile(q=q, do=do, lse=lse, delta=delta, K=KS, V=VS, k_off=k_off, v_off=v_off, start_n=start_n,
                           offs_m=offs_m, T=T, stride_kt=stride_kt, stride_vt=stride_vt, qk_scale=qk_scale, dq=dq, TK=T,
                           LEFT=LEFT, RIGHT=RIGHT, key_row=key_row, qtags=qtags, aligned=aligned, softcap=softcap,
                           BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False,
-                          PAD=False, SOFTCAP=SOFTCAP)
-    store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq * scale, offs_m, stride_gt, T, HEAD_DIM)
+                          PAD=False, SOFTCAP=SOFTCAP, D_IN=D_IN)
+    store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq * scale, offs_m, stride_gt, T, HEAD_DIM, D_IN)
 
 
 @triton.jit
@@ -354,12 +364,13 @@ def _group_heads(X, x_off, stride_h, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: 
 
 @triton.jit
 def _group_rows(X, x_off, g, stride_h, start, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                TMA: tl.constexpr):
-    """Rows start..start+ROWS of the group's head g (`_group_heads`); rows past T read as 0."""
+                TMA: tl.constexpr, D_IN: tl.constexpr):
+    """Rows start..start+ROWS of the group's head g (`_group_heads`); rows past T read as 0, and a padded head
+    dim's columns past D_IN."""
     if TMA:
         t = tl.reshape(X.load([g, start, 0]), (ROWS, HEAD_DIM))
     else:
-        t = load_rows(X + x_off + g * stride_h, start + tl.arange(0, ROWS), stride_t, T, HEAD_DIM)
+        t = load_rows(X + x_off + g * stride_h, start + tl.arange(0, ROWS), stride_t, T, HEAD_DIM, D_IN)
     return t
 
 
@@ -368,14 +379,14 @@ def _dkdv_tile(k, v, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, g, start_m
                stride_doh, stride_dot, qk_scale, dk, dv, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, softcap,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr, SOFTCAP: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr):
+               ATOMIC_DQ: tl.constexpr, D_IN: tl.constexpr):
     """One query tile's share of dK and dV, of the group's query head g (batch·head first + g); with ATOMIC_DQ also
     its share of dQ / scale, added into the fp32 (B, H, T, HEAD_DIM) DQ_ACC."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _group_rows(X=Q, x_off=q_off, g=g, stride_h=stride_qh, start=start_m, stride_t=stride_qt, T=T, ROWS=BLOCK_M,
-                    HEAD_DIM=HEAD_DIM, TMA=TMA)
+                    HEAD_DIM=HEAD_DIM, TMA=TMA, D_IN=D_IN)
     do = _group_rows(X=DO, x_off=do_off, g=g, stride_h=stride_doh, start=start_m, stride_t=stride_dot, T=T,
-                     ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, TMA=TMA)
+                     ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, TMA=TMA, D_IN=D_IN)
     row_off = (first + g).to(tl.int64) * T
     lse = load_lse(LSE + row_off, offs_m, T)
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
@@ -401,7 +412,7 @@ def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, l
                 stride_qt, stride_doh, stride_dot, qk_scale, TK, LEFT, RIGHT, keep_row, stride_keep, ktags, softcap,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, SEG: tl.constexpr,
-                SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_IN: tl.constexpr):
     """The query tiles at lo, lo + BLOCK_M, ... below hi of each of the group's GROUP query heads, added to dk, dv.
 
     A group's heads run as one loop over (head, tile) pairs, which the compiler pipelines as it does one head's
@@ -414,7 +425,8 @@ def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, l
                                 stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot, qk_scale=qk_scale,
                                 dk=dk, dv=dv, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep,
                                 ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL,
-                                MASKED=MASKED, TMA=TMA, MASK=MASK, SEG=SEG, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+                                MASKED=MASKED, TMA=TMA, MASK=MASK, SEG=SEG, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
+                                D_IN=D_IN)
     else:
         tiles = tl.cdiv(hi - lo, BLOCK_M)  # <= 0 where there are none
         for i in range(GROUP * tiles):
@@ -425,19 +437,20 @@ def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, l
                                 qk_scale=qk_scale, dk=dk, dv=dv, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
                                 stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
                                 HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL, MASKED=MASKED, TMA=TMA, MASK=MASK, SEG=SEG,
-                                SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+                                SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, D_IN=D_IN)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_delta(O, DO, DELTA, o_strides, do_strides, H, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def _attn_bwd_delta(O, DO, DELTA, o_strides, do_strides, H, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    D_IN: tl.constexpr = 0):
     """δ = rowsum(dO ∘ O) of one query tile, fp32, where the dQ kernel does not run to write it (ATOMIC_DQ)."""
     stride_ob, stride_oh, stride_ot = o_strides
     stride_dob, stride_doh, stride_dot = do_strides
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
-    o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
+    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM, D_IN)
+    o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM, D_IN)
     tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=offs_m < T)
 
 
@@ -447,7 +460,7 @@ def _attn_bwd_dkdv(
     scale, band, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, GROUP: tl.constexpr = 1, SEG: tl.constexpr = False,
-    SOFTCAP: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False, D_IN: tl.constexpr = 0,
 ):
     """dK and dV (both with strides `g_strides`) of one key tile, over the query tiles that see it. With GROUP > 1
     (grouped-query attention, GROUP = G) a program serves one key/value head and sums its group's query heads in
@@ -467,8 +480,8 @@ def _attn_bwd_dkdv(
     program = tl.program_id(0) if GROUP > 1 else tl.program_id(1)
     first = program * GROUP  # the first query head (batch·head) of the program
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_rows(K + kv_head_offset(first, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM)
-    v = load_rows(V + kv_head_offset(first, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM)
+    k = load_rows(K + kv_head_offset(first, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM, D_IN)
+    v = load_rows(V + kv_head_offset(first, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM, D_IN)
     keep_row = KEEP + (first // H).to(tl.int64) * stride_keep
     ktags = key_tags(keep_row + T if SEG else keep_row, offs_n, TK, PAD)
     q_off = head_offset(first, H, stride_qb, stride_qh)  # the group's first query head; the others follow by stride
@@ -488,7 +501,7 @@ def _attn_bwd_dkdv(
                              qk_scale=qk_scale, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
                              stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
                              GROUP=GROUP, CAUSAL=False, MASKED=True, TMA=TMA, MASK=True, SEG=SEG, SOFTCAP=SOFTCAP,
-                             ATOMIC_DQ=ATOMIC_DQ)
+                             ATOMIC_DQ=ATOMIC_DQ, D_IN=D_IN)
     else:
         # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
@@ -499,20 +512,22 @@ def _attn_bwd_dkdv(
                              stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot, qk_scale=qk_scale, TK=T,
                              LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags,
                              softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL,
-                             MASKED=True, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+                             MASKED=True, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
+                             D_IN=D_IN)
         dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off,
                              do_off=do_off, first=first, lo=diag_end, hi=free_end, offs_n=offs_n, T=T,
                              stride_qh=stride_qh, stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot,
                              qk_scale=qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
                              stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
                              GROUP=GROUP, CAUSAL=CAUSAL, MASKED=False, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP,
-                             ATOMIC_DQ=ATOMIC_DQ)
+                             ATOMIC_DQ=ATOMIC_DQ, D_IN=D_IN)
         dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off,
                              do_off=do_off, first=first, lo=free_end, hi=T, offs_n=offs_n, T=T, stride_qh=stride_qh,
                              stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot, qk_scale=qk_scale, TK=T,
                              LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags,
                              softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL,
-                             MASKED=True, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ)
+                             MASKED=True, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
+                             D_IN=D_IN)
     out = head_offset(program, H // GROUP, stride_gb, stride_gh)
-    store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM)
-    store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM)
+    store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM, D_IN)
+    store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM, D_IN)

@@ -103,13 +103,14 @@ class Tunable(NamedTuple):
 # tuned for itself rather than reusing the plain launch's pick: a band or padding changes which tiles are visited,
 # and a grouped dK/dV program does its group's work (a quarter of the programs with 4 query heads per key/value head).
 BAND_SWITCHES = ("MASK", "PAD", "SEG")
+SHAPE_SWITCHES = (*BAND_SWITCHES, "D_IN")  # and a head dim padded inside the kernels (masked loads and stores)
 NATIVE_FWD = Tunable.of("attn_fwd", native._attn_fwd, FWD_CONFIGS,
-                        ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *BAND_SWITCHES), restore=("STAT_COUNTS",),
+                        ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *SHAPE_SWITCHES), restore=("STAT_COUNTS",),
                         wide_configs=WIDE_FWD_CONFIGS)
-NATIVE_DQ = Tunable.of("attn_bwd_dq", native._attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES),
+NATIVE_DQ = Tunable.of("attn_bwd_dq", native._attn_bwd_dq, DQ_CONFIGS, ("T", "HEAD_DIM", "CAUSAL", *SHAPE_SWITCHES),
                        wide_configs=WIDE_DQ_CONFIGS)
 NATIVE_DKDV = Tunable.of("attn_bwd_dkdv", native._attn_bwd_dkdv, DKDV_CONFIGS,
-                         ("T", "HEAD_DIM", "CAUSAL", *BAND_SWITCHES, "GROUP", "ATOMIC_DQ"), reset=("DQ_ACC",),
+                         ("T", "HEAD_DIM", "CAUSAL", *SHAPE_SWITCHES, "GROUP", "ATOMIC_DQ"), reset=("DQ_ACC",),
                          wide_configs=WIDE_DKDV_CONFIGS)
 
 
