@@ -1117,6 +1117,60 @@ def test_a_padded_head_dim_saves_no_padded_copy_under_native_numerics(precision)
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("draw", range(6))
+def test_padding_inside_the_kernels_gives_padding_by_hands_bits_with_every_feature(draw):
+    """Random calls at a head dim between the compiled ones, each feature drawn: Tq != Tk, windows, key padding,
+    packed sequences, GQA (summed in the program or after), dQ by atomics, softcap, SFA, statistics. The kernels
+    padding inside themselves give the bits of the same call on inputs padded by hand, outputs and gradients, and
+    the same statistics. The seed is printed and named in each failure."""
+    from stableflash.attention import triton as backend
+    from stableflash.attention.triton import launch
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    D, width = pick([(8, 16), (24, 32), (40, 64)] if INTERPRET else [(80, 128), (96, 128), (40, 64), (160, 256)])
+    H, H_kv = pick([(4, 4), (4, 2), (4, 1)])
+    packed = pick([False, True])
+    B = 1 if packed else pick([1, 2])
+    Tq, Tk = (37, 37) if packed else (pick([17, 45, 70]), pick([17, 45, 70]))
+    causal, window = pick([True, False]), pick([(-1, -1), (12, -1), (9, 4)])
+    stabilize, softcap = pick([None, SFA()]), pick([0.0, 0.0, 9.0])
+    # dQ by atomics adds in no fixed order on a GPU (the interpreter runs the programs one after another)
+    options = dict(atomic_dq=pick([False, True]) if INTERPRET else False, group_sum_in_program=pick([False, True]))
+    q = torch.randn(B, Tq, H, D, generator=g).to(torch.bfloat16).to(DEVICE).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(B, Tk, H_kv, D, generator=g).to(torch.bfloat16).to(DEVICE).transpose(1, 2).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(B, H, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    keep = segments = None
+    if packed:
+        cut = int(torch.randint(1, Tq - 1, (1,), generator=g))
+        segments = launch.packed_segments([0, cut, Tq], [0, cut, Tk], DEVICE)
+    elif pick([False, True]):
+        keep = (torch.rand(B, Tk, generator=g) > 0.3).to(DEVICE)
+    stats, by_hand_stats = (AttentionStats(H, eps=SFA().eps) for _ in range(2))
+    kw = dict(causal=causal, scale=D**-0.5, policy=resolve("fa2"), stabilize=stabilize, window=window,
+              key_padding=keep, segments=segments, softcap=softcap)
+    case = f"seed {seed}: D {D}, heads {H}/{H_kv}, T {Tq}/{Tk}, packed {packed}, causal {causal}, window {window}, " \
+           f"keep {keep is not None}, softcap {softcap}, sfa {stabilize is not None}, {options}"
+
+    def by_hand(q, k, v):
+        wide = [torch.nn.functional.pad(t, (0, width - D)) for t in (q, k, v)]
+        return backend.attention(*wide, stats=by_hand_stats, **kw)[..., :D]
+
+    with kernel_options(**options):
+        ours = _run(lambda q, k, v: backend.attention(q, k, v, stats=stats, **kw), q, k, v, dout)
+        theirs = _run(by_hand, q, k, v, dout)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], ours, theirs):
+        assert torch.equal(a, b), (name, case)
+    for column in STAT_COLUMNS:
+        assert torch.equal(getattr(stats, column), getattr(by_hand_stats, column)), (column, case)
+
+
 def test_head_dims_above_the_widest_kernel_are_refused_by_name():
     from stableflash.attention import triton as backend
 
