@@ -321,3 +321,20 @@ def test_seed_scale_runs_ddp_on_two_processes_resumes_and_summarises(tmp_path):
     shown = subprocess.run([sys.executable, script, "project", "--tokens-per-s", "350000"], capture_output=True,
                            text=True, check=True).stdout
     assert "1 GPU:" in shown and "8 GPUs:" in shown and "2.78" in shown  # 3.5e9 / 350000 / 3600 on one GPU
+
+
+def test_host_time_compares_two_trees_with_the_launches_stood_in_for(tmp_path):
+    """research/host_time.py on the CPU: both trees (here the same one) measured in child processes, a row per call
+    and part, and the JSON; a tree without stableflash/ is refused by name."""
+    out = tmp_path / "host.json"
+    done = subprocess.run([sys.executable, str(ROOT / "research" / "host_time.py"), "--before", str(ROOT), "--after",
+                           str(ROOT), "--rounds", "1", "--repeats", "20", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, check=True, cwd=tmp_path)
+    summary = json.loads(out.read_text())["summary"]
+    assert sorted(summary) == sorted(f"{call}/{part}" for call in ("fa2", "sfa", "sfa-stats")
+                                     for part in ("fwd_bwd_us", "fwd_us", "bwd_us"))
+    assert all(row["before_us"] > 0 and row["after_us"] > 0 for row in summary.values())
+    assert "sfa-stats" in done.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "research" / "host_time.py"), "--before", str(tmp_path), "--out",
+                          str(out)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "expected a folder holding stableflash/" in bad.stderr
