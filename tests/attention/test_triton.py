@@ -1199,6 +1199,27 @@ def test_head_dim_256_runs_in_the_kernels(precision):
             assert (a == r).float().mean().item() >= (0.95 if name == "out" else 0.80), (name, f"seed {seed}")
 
 
+def test_the_kernels_ops_export_save_and_load_with_the_eager_calls_bits():
+    """torch.export through the two ops (their fakes trace it; the call's scalars travel as one string), saved and
+    loaded again: the same output as eagerly, SFA and a window at a padded head dim."""
+    import io
+
+    from stableflash.attention import triton as backend
+
+    q, k, v = (t.detach() for t in _inputs((1, 2, 40, 24 if INTERPRET else 80)))
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return backend.attention(q, k, v, causal=True, scale=0.2, policy=resolve("fa2"), stabilize=SFA(),
+                                     window=(11, -1))
+
+    buffer = io.BytesIO()
+    torch.export.save(torch.export.export(Attention(), (q, k, v)), buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer)
+    assert torch.equal(loaded.module()(q, k, v), Attention()(q, k, v))
+
+
 def test_a_padded_head_dim_compiles_whole_with_the_eager_calls_bits():
     """torch.compile(fullgraph=True) through the padding and the ops: the same bits as eagerly, gradients included."""
     from stableflash.attention import triton as backend
