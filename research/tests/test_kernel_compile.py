@@ -144,23 +144,30 @@ def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
 
 @pytest.mark.parametrize("head_dim, d_in", [(128, 80), (128, 96), (256, 160)])
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
-def test_a_head_dim_padded_inside_the_native_kernels_compiles_like_the_full_one(kernel, head_dim, d_in):
-    """`D_IN`: the columns past the inputs' head dim masked in every load and store. SFA's kernels compile for sm_90
-    with their wgmmas asynchronous and at most 16 bytes more spilled than at the full head dim (on an 8-warp
-    candidate tile; at D = 128 every dK/dV tile with pointer loads spills 24-1504 bytes at either width), and their
-    global loads and stores as wide as the full head dim's, one for one (D_IN a multiple of 8 bf16 values, a
-    constant from which the compiler proves 16-byte column runs; at 84 they halve)."""
-    if head_dim == 256:
+@pytest.mark.parametrize("policy", ["fa2", "paper"])
+def test_a_head_dim_padded_inside_the_kernels_compiles_like_the_full_one(policy, kernel, head_dim, d_in):
+    """`D_IN`: the columns past the inputs' head dim masked in every load and store. SFA's kernels, native and
+    emulated, compile for sm_90 with the full head dim's tensor-core products (wgmmas asynchronous), at most 16 bytes
+    more spilled (natively on an 8-warp candidate tile; at D = 128 every dK/dV tile with pointer loads spills 24-1504
+    bytes at either width), and global loads and stores as wide as the full head dim's, one for one (D_IN a multiple
+    of 8 bf16 values, a constant from which the compiler proves 16-byte column runs; at 84 they halve)."""
+    if policy == "paper":
+        config = tuning.emulation_config(False, head_dim)
+    elif head_dim == 256:
         config = {"fwd": tuning.WIDE_FWD_CONFIGS, "dq": tuning.WIDE_DQ_CONFIGS, "dkdv": tuning.WIDE_DKDV_CONFIGS}[kernel][0]
     else:
         config = {"fwd": tuning.config(128, 64, 8, 3), "dq": tuning.config(128, 64, 8, 3),
                   "dkdv": tuning.config(64, 128, 8, 3)}[kernel]
-    config = triton.Config({**config.kwargs, "TMA": False}, num_warps=config.num_warps, num_stages=config.num_stages)
-    name = _name("fa2", SFA(), head_dim)
+    if policy == "fa2":  # the native kernels' tiles carry the load path: pointers (no TMA where padded)
+        config = triton.Config({**config.kwargs, "TMA": False}, num_warps=config.num_warps,
+                               num_stages=config.num_stages)
+    name = _name(policy, SFA(), head_dim)
     consts = constexprs(name, kernel, head_dim, config)
     whole = compile_kernel(name, kernel, consts, config)
     compiled = compile_kernel(name, kernel, {**consts, "D_IN": d_in}, config)
-    assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
+    # the tensor-core form the full head dim uses (the emulation's 32x32 tiles at D = 256: mma, not wgmma)
+    assert ("wgmma.mma_async" in compiled.asm["ptx"]) == ("wgmma.mma_async" in whole.asm["ptx"])
+    assert wgmma_serialization(compiled) is None
     usage, full = resource_usage(compiled), resource_usage(whole)
     assert usage["registers"] <= 255 and usage["spill_stack_bytes"] <= full["spill_stack_bytes"] + 16, (usage, full)
     assert _memory_instructions(compiled) == _memory_instructions(whole)

@@ -38,7 +38,7 @@ __all__ = ["attention", "supports", "supports_policy", "supports_masks", "suppor
 
 def supports(q: torch.Tensor) -> bool:
     """Whether the kernels take inputs shaped and typed like `q`: head dims up to 256 (those between `HEAD_DIMS`
-    padded to the next: inside the native kernels, by copies for the emulation kernels), fp16 or bf16."""
+    padded to the next inside the kernels), fp16 or bf16."""
     return kernel_head_dim(q.shape[-1]) is not None and q.dtype in INPUT_DTYPES
 
 
@@ -175,36 +175,17 @@ def attention(q, k, v, *, causal: bool, scale: float, policy: Precision, stabili
         softcap=float(softcap), return_lse=return_lse))
 
 
-def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
-    """t (B, H, T, D) zero-padded to head dim `width`, in t's memory order (a model's heads stay (B, T, H, ·))."""
-    if t.stride(1) < t.stride(2):
-        return torch.nn.functional.pad(t.transpose(1, 2), (0, width - t.shape[-1])).transpose(1, 2)
-    return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-
-
-def _narrowed(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The first `head_dim` columns of t (B, H, T, ·), dense in t's memory order, as an unpadded call returns them."""
-    if t.stride(1) < t.stride(2):
-        return t.transpose(1, 2)[..., :head_dim].contiguous().transpose(1, 2)
-    return t[..., :head_dim].contiguous()
-
-
 def _attention(q, k, v, *, causal, scale, policy, stabilize, stats, heads, band, softcap, return_lse):
     from stableflash.attention.triton import ops
     if stats is not None and isinstance(stabilize, stab_module.SFA) and stabilize.eps != stats.eps:
         raise ValueError(f"stats: the triton backend counts near-maxima with SFA's eps ({stabilize.eps}); "
                          f"build AttentionStats with eps={stabilize.eps}")
     _, H, T, D = q.shape
-    width = kernel_head_dim(D)
-    name = spec_name(policy, stabilize, q.dtype, width, max(T, k.shape[-2]))  # an untiled policy: one tile of each
-    copies = width != D and not spec_named(name).native  # the native kernels pad a narrower head dim themselves
-    if copies:
-        q, k, v = (_widened(t, width) for t in (q, k, v))
+    # at the kernels' head dim: they pad a narrower one inside themselves
+    name = spec_name(policy, stabilize, q.dtype, kernel_head_dim(D), max(T, k.shape[-2]))  # untiled: one tile of each
     call = ops.Call(causal, float(scale), float(stats.eps) if stats is not None else None,
                     None if band is None else (band.left, band.right, band.packed), softcap)
     out, _, lse, counts, smax = ops.flash_fwd(q, k, v, None if band is None else band.keep, name, call.encode())
-    if copies:
-        out = _narrowed(out, D)
     if stats is not None:
         stats.add_counts(heads, counts, smax)
     if not return_lse:

@@ -10,7 +10,8 @@ With `MASK`, TK keys against T queries in a band (causal aligned to the bottom r
 with `PAD`, a key-padding mask (`KEEP`, (B, TK) bytes), as the native kernels take them: the forward visits the
 logical key tiles the reference visits for the logical query tile its rows are in (`Visibility.skips`: a visit
 rounds the accumulator again), the backward those its own rows or keys see (a hidden tile adds exact zeros there).
-Exponentials are libdevice's `exp` in natural units, as torch computes them. Bit-equal to the reference is the aim
+`D_IN` pads a narrower head dim inside the kernel, as the native kernels do (zero columns: the same bits as padding
+by hand). Exponentials are libdevice's `exp` in natural units, as torch computes them. Bit-equal to the reference is the aim
 and what the tests check; speed comes second.
 """
 
@@ -184,11 +185,15 @@ def _visible(offs_m, offs_n, T, TK, LEFT, RIGHT, keep_row, CAUSAL: tl.constexpr,
 @triton.jit
 def _scores(q, K, k_off, start_n, offs_m, T, TK, stride_kt, scale, LEFT, RIGHT, keep_row, BLOCK_N: tl.constexpr,
             HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, PAD: tl.constexpr,
-            OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr):
+            OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, D_IN: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of scores, rounded as the policy says; the keys `_visible` hides at -inf."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    kt = tl.load(K + k_off + offs_n[None, :] * stride_kt + tl.arange(0, HEAD_DIM)[:, None],
-                 mask=offs_n[None, :] < TK, other=0.0)
+    if D_IN:  # a head dim padded in the kernel: the columns past it read as 0
+        kt = tl.load(K + k_off + offs_n[None, :] * stride_kt + tl.arange(0, HEAD_DIM)[:, None],
+                     mask=(offs_n[None, :] < TK) & (tl.arange(0, HEAD_DIM)[:, None] < D_IN), other=0.0)
+    else:
+        kt = tl.load(K + k_off + offs_n[None, :] * stride_kt + tl.arange(0, HEAD_DIM)[:, None],
+                     mask=offs_n[None, :] < TK, other=0.0)
     qk = dot(q, kt, tl.zeros((q.shape[0], BLOCK_N), tl.float32), OPS_FP32)
     s = _round(_round(mul_rn(_round(qk, R_QK), scale), R_QK), R_SCORES)
     return tl.where(_visible(offs_m=offs_m, offs_n=offs_n, T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
@@ -219,6 +224,7 @@ def _attn_fwd(
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_L_SAVED: tl.constexpr, R_DIV: tl.constexpr,
     R_OUT: tl.constexpr, R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, R_V_OP: tl.constexpr, R_THRESHOLD: tl.constexpr,
     OFFICIAL: tl.constexpr, TAIL_LIMIT: tl.constexpr, MASK: tl.constexpr = False, PAD: tl.constexpr = False,
+    D_IN: tl.constexpr = 0,
 ):
     """O (and, with SAVE_OS, the fp32 O the backward reads for δ into OS) and the natural-unit lse of one query tile.
     `seed`: the call's stochastic rounding seed (unused without it); LM: the logical query tile (read under MASK).
@@ -238,7 +244,7 @@ def _attn_fwd(
     k_off = kv_head_offset(bh, H, G, stride_kb, stride_kh)
     v_off = kv_head_offset(bh, H, G, stride_vb, stride_vh)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM, D_IN)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -263,7 +269,8 @@ def _attn_fwd(
         for start_n in range(lt, lt_end, BLOCK_N):
             s = _scores(q=q, K=K, k_off=k_off, start_n=start_n, offs_m=offs_m, T=T, TK=TK, stride_kt=stride_kt,
                         scale=scale, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-                        CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES)
+                        CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES,
+                        D_IN=D_IN)
             rm = tl.maximum(rm, tl.max(s, 1))
         rm = _round(rm, R_ROW_MAX)
         # pass 2 (SFA or statistics): near-maximum counts against the whole tile's maximum
@@ -274,7 +281,8 @@ def _attn_fwd(
             for start_n in range(lt, lt_end, BLOCK_N):
                 s = _scores(q=q, K=K, k_off=k_off, start_n=start_n, offs_m=offs_m, T=T, TK=TK, stride_kt=stride_kt,
                             scale=scale, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-                            CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES)
+                            CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES,
+                            D_IN=D_IN)
                 rs += _near_max(s, rm, eps)
                 if OFFICIAL:  # real keys only: the reference's tile ends at TK
                     real = (start_n + tl.arange(0, BLOCK_N)) < TK
@@ -296,7 +304,8 @@ def _attn_fwd(
         for start_n in range(lt, lt_end, BLOCK_N):
             s = _scores(q=q, K=K, k_off=k_off, start_n=start_n, offs_m=offs_m, T=T, TK=TK, stride_kt=stride_kt,
                         scale=scale, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-                        CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES)
+                        CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES,
+                        D_IN=D_IN)
             p = _round(_exp(_round(s - m_shift[:, None], R_SUB)), R_PBAR)
             if STAB == 2:
                 p = tl.minimum(p, CLAMP_CEIL)
@@ -306,7 +315,7 @@ def _attn_fwd(
                 tile_ones += tl.sum((p_op == 1.0).to(tl.int32), 1)
                 operand_sum += tl.sum(p_op, 1)
             tile_sum += tl.sum(p, 1)
-            v = load_rows(V + v_off, offs_n, stride_vt, TK, HEAD_DIM)
+            v = load_rows(V + v_off, offs_n, stride_vt, TK, HEAD_DIM, D_IN)
             if R_V_OP != 0:  # V as P̄V reads it, in a format of its own (its values are V's dtype's, or fp32)
                 v = _round(v.to(tl.float32), R_V_OP)
             if OPS_FP32:
@@ -339,9 +348,9 @@ def _attn_fwd(
     o_off = head_offset(bh, H, stride_ob, stride_oh)
     # the `out` site's format and mode (the store's own cast rounds to nearest), with bits from each element's place
     store_rows(O + o_off, _round_at(o, R_OUT, seed, _OUT, bh, offs_m[:, None], tl.arange(0, HEAD_DIM)[None, :], 0),
-               offs_m, stride_ot, T, HEAD_DIM)
+               offs_m, stride_ot, T, HEAD_DIM, D_IN)
     if SAVE_OS:
-        store_rows(OS + o_off, o, offs_m, stride_ot, T, HEAD_DIM)
+        store_rows(OS + o_off, o, offs_m, stride_ot, T, HEAD_DIM, D_IN)
     log_l = _round(_log(l), R_LSE)
     lse = tl.where(empty, float("-inf"), _round(_round(log_l + m, R_LSE_ADD), R_LSE))
     row_ok = offs_m < T
@@ -392,11 +401,11 @@ def _probs_t(k, q, lse, offs_n, offs_m, T, TK, LEFT, RIGHT, keep_row, scale, CAU
 def _p_dp(q, do, lse, K, V, k_off, v_off, start_n, offs_m, T, TK, LEFT, RIGHT, keep_row, stride_kt, stride_vt,
           qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
           PAD: tl.constexpr, OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr,
-          R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr):
+          R_P_SUB: tl.constexpr, R_P: tl.constexpr, R_DP: tl.constexpr, D_IN: tl.constexpr):
     """For the query rows `offs_m` and the key tile at `start_n`: its keys k, P (recomputed) and dP = dO Vᵀ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(K + k_off, offs_n, stride_kt, TK, HEAD_DIM)
-    v = load_rows(V + v_off, offs_n, stride_vt, TK, HEAD_DIM)
+    k = load_rows(K + k_off, offs_n, stride_kt, TK, HEAD_DIM, D_IN)
+    v = load_rows(V + v_off, offs_n, stride_vt, TK, HEAD_DIM, D_IN)
     p = _probs(q=q, k=k, lse=lse, offs_m=offs_m, offs_n=offs_n, T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
                scale=qk_scale, CAUSAL=CAUSAL, MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES,
                R_P_SUB=R_P_SUB, R_P=R_P)
@@ -422,7 +431,7 @@ def _attn_bwd_delta_dpp(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr,
     R_P: tl.constexpr, R_DP: tl.constexpr, R_DPP: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
-    MASK: tl.constexpr = False, PAD: tl.constexpr = False,
+    MASK: tl.constexpr = False, PAD: tl.constexpr = False, D_IN: tl.constexpr = 0,
 ):
     """δ = rowsum(dP ∘ P) (the `dp_p` formula) of one query tile: P and dP recomputed over every visible key,
     summed per logical key tile and added up with the policy's rounding, as the reference does."""
@@ -434,8 +443,8 @@ def _attn_bwd_delta_dpp(
     qk_scale = fp32(qk_scale)
     pid_m = tl.program_id(0)
     bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
-    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
-    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM, D_IN)
+    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM, D_IN)
     lse = load_lse(LSE + row_off, offs_m, T)
     delta = tl.zeros((BLOCK_M,), tl.float32)
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
@@ -447,7 +456,7 @@ def _attn_bwd_delta_dpp(
                              T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_kt=stride_kt,
                              stride_vt=stride_vt, qk_scale=qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL,
                              MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES, R_P_SUB=R_P_SUB,
-                             R_P=R_P, R_DP=R_DP)
+                             R_P=R_P, R_DP=R_DP, D_IN=D_IN)
             part += tl.sum(_round(_round(mul_rn(dp, p), R_DPP), R_TERMS), 1)
         delta = _round(delta + _round(part, R_DELTA), R_DELTA)
     tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
@@ -462,6 +471,7 @@ def _attn_bwd_dq(
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
     R_DQ_PART: tl.constexpr, R_DQ: tl.constexpr, MASK: tl.constexpr = False, PAD: tl.constexpr = False,
+    D_IN: tl.constexpr = 0,
 ):
     """dQ of one query tile, each logical key tile's part accumulated in fp32, then rounded and added as the reference
     does. With DELTA_HERE it first computes its rows' δ = rowsum(dO ∘ O) (each product rounded on its own) and
@@ -477,16 +487,16 @@ def _attn_bwd_dq(
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_m = tl.program_id(0)
     bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
-    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM)
+    do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM, D_IN)
     if DELTA_HERE:
-        o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM)
+        o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM, D_IN)
         terms = _round_at(mul_rn(do.to(tl.float32), o.to(tl.float32)), R_TERMS, seed, _DELTA_TERMS, bh,
                           offs_m[:, None], tl.arange(0, HEAD_DIM)[None, :], 0)
         delta = _round_at(tl.sum(terms, 1), R_DELTA, seed, _DELTA, bh, offs_m, 0, 0)
         tl.store(DELTA + row_off + offs_m, delta, mask=offs_m < T)
     else:
         delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
-    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM)
+    q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM, D_IN)
     lse = load_lse(LSE + row_off, offs_m, T)
     dq_run = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
@@ -498,14 +508,14 @@ def _attn_bwd_dq(
                              T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_kt=stride_kt,
                              stride_vt=stride_vt, qk_scale=qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL,
                              MASK=MASK, PAD=PAD, OPS_FP32=OPS_FP32, R_QK=R_QK, R_SCORES=R_SCORES, R_P_SUB=R_P_SUB,
-                             R_P=R_P, R_DP=R_DP)
+                             R_P=R_P, R_DP=R_DP, D_IN=D_IN)
             ds = _round(_round(mul_rn(p, _round(dp - delta[:, None], R_DS1)), R_DS2), R_DS)
             if OPS_FP32:
                 dq = dot(_round(ds, R_DS_OP), k, dq, True)
             else:
                 dq = dot(cast(_round(ds, R_DS_OP), k.dtype), k, dq, False)
         dq_run = _round(dq_run + _round(mul_rn(_round(dq, R_DQ_PART), scale), R_DQ_PART), R_DQ)
-    store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq_run, offs_m, stride_gt, T, HEAD_DIM)
+    store_rows(DQ + head_offset(bh, H, stride_gb, stride_gh), dq_run, offs_m, stride_gt, T, HEAD_DIM, D_IN)
 
 
 @triton.jit
@@ -516,7 +526,7 @@ def _attn_bwd_dkdv(
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_P_OP: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr,
     R_DS_OP: tl.constexpr, R_DV_PART: tl.constexpr, R_DV: tl.constexpr, R_DK_PART: tl.constexpr, R_DK: tl.constexpr,
-    MASK: tl.constexpr = False, PAD: tl.constexpr = False,
+    MASK: tl.constexpr = False, PAD: tl.constexpr = False, D_IN: tl.constexpr = 0,
 ):
     """dK and dV (both with strides `g_strides`) of one key tile: each logical query tile's part accumulated in fp32,
     then rounded and added as the reference does."""
@@ -533,8 +543,8 @@ def _attn_bwd_dkdv(
     do_off = head_offset(bh, H, stride_dob, stride_doh)
     row_off = bh.to(tl.int64) * T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_rows(K + kv_head_offset(bh, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM)
-    v = load_rows(V + kv_head_offset(bh, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM)
+    k = load_rows(K + kv_head_offset(bh, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM, D_IN)
+    v = load_rows(V + kv_head_offset(bh, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM, D_IN)
     dk_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv_run = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     keep_row = KEEP + (bh // H).to(tl.int64) * stride_keep
@@ -549,8 +559,8 @@ def _attn_bwd_dkdv(
         dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
         for start_m in range(tl.maximum(lq, lo), tl.minimum(lq + LQ, hi), BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM)
-            do = load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM)
+            q = load_rows(Q + q_off, offs_m, stride_qt, T, HEAD_DIM, D_IN)
+            do = load_rows(DO + do_off, offs_m, stride_dot, T, HEAD_DIM, D_IN)
             lse = load_lse(LSE + row_off, offs_m, T)
             delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < T, other=0.0)
             pt = _probs_t(k=k, q=q, lse=lse, offs_n=offs_n, offs_m=offs_m, T=T, TK=TK, LEFT=LEFT, RIGHT=RIGHT,
@@ -569,5 +579,5 @@ def _attn_bwd_dkdv(
         dv_run = _round(dv_run + _round(dv, R_DV_PART), R_DV)
         dk_run = _round(dk_run + _round(mul_rn(_round(dk, R_DK_PART), scale), R_DK_PART), R_DK)
     out = head_offset(bh, H, stride_gb, stride_gh)
-    store_rows(DK + out, dk_run, offs_n, stride_gt, TK, HEAD_DIM)
-    store_rows(DV + out, dv_run, offs_n, stride_gt, TK, HEAD_DIM)
+    store_rows(DK + out, dk_run, offs_n, stride_gt, TK, HEAD_DIM, D_IN)
+    store_rows(DV + out, dv_run, offs_n, stride_gt, TK, HEAD_DIM, D_IN)

@@ -214,18 +214,12 @@ def _hopper_constants(name: str, head_dim: int, dtype: torch.dtype, causal: bool
     return constants, triton.Config({}, num_warps=tile.warps)
 
 
-def _head_dims(q, spec: KernelSpec) -> tuple[int, dict]:
-    """The kernels' head dim for q's, and the switch that pads q's inside the native kernels where it is narrower
-    (`D_IN`: columns past it read as 0 and are not stored; absent otherwise, so the picks keep their keys). The
-    emulation kernels take their head dim whole (`attention` pads by copies for them)."""
+def _head_dims(q) -> tuple[int, dict]:
+    """The kernels' head dim for q's, and the switch that pads q's inside the kernels where it is narrower (`D_IN`:
+    columns past it read as 0 and are not stored; absent otherwise, so the picks keep their keys)."""
     d_in = q.shape[-1]
     width = kernel_head_dim(d_in)
-    if width == d_in:
-        return width, {}
-    if not spec.native:
-        raise ValueError(f"q: head dim {d_in} under the emulation kernels ({spec.name!r}): they take only the head "
-                         f"dims they compile, {width} here (`attention` pads by copies for them)")
-    return width, {"D_IN": d_in}
+    return width, ({} if width == d_in else {"D_IN": d_in})
 
 
 def _check_softcap(softcap: float, spec: KernelSpec) -> None:
@@ -254,7 +248,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     _check_softcap(softcap, spec)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, _ = q.shape
-    D, padded = _head_dims(q, spec)
+    D, padded = _head_dims(q)
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else q.new_empty(0, dtype=out.dtype)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -265,7 +259,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     eps = spec.eps if spec.stab == 1 else stats_eps * spec.units
     G = H // k.shape[1]  # query heads per key/value head (grouped-query attention)
     tensors = (q, k, v, out, lse, counts, smax, _strides(q), _strides(k), _strides(v), _strides(out))
-    launch = dict(HEAD_DIM=D, CAUSAL=causal, STATS=stats)
+    launch = dict(HEAD_DIM=D, CAUSAL=causal, STATS=stats, **padded)
 
     if not spec.native:
         seed = draw_seed() if spec.stochastic else 0  # where the reference draws it: the same bits
@@ -286,7 +280,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
         return out, o_saved, lse, counts, smax
 
     kernel_scale, kernel_softcap, capped = _scales(scale, softcap)
-    meta = {**spec.forward_constants, **launch, **_band_meta(band), **capped, **padded}
+    meta = {**spec.forward_constants, **launch, **_band_meta(band), **capped}
     either = _tma_candidates(spec, D, k, v) and not padded
     if either:
         _allow_device_descriptors()
@@ -314,7 +308,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     _check_softcap(softcap, spec)
     q, k, v, dout, o_saved = (last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D_IN = q.shape
-    D, padded = _head_dims(q, spec)
+    D, padded = _head_dims(q)
     G, TK = H // k.shape[1], k.shape[-2]
     strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)

@@ -30,8 +30,8 @@ from stableflash.numerics.formats import get_format
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128, 256)
-"""The head dims the kernels compile for; a smaller one runs padded to the next (`kernel_head_dim`): inside the
-native kernels (`D_IN`), by copies for the emulation kernels."""
+"""The head dims the kernels compile for; a smaller one runs padded to the next (`kernel_head_dim`) inside the
+kernels (`D_IN`)."""
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 PHYSICAL_TILE = 64  # emulated logical tiles are built from tiles of this size
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
