@@ -34,7 +34,13 @@ class Call(NamedTuple):
     softcap: float = 0.0
 
     def encode(self) -> str:
-        return repr(tuple(self))  # a float's repr reads back as the same float
+        return _encoded(*self)
+
+
+@torch.compiler.assume_constant_result
+def _encoded(causal, scale, stats_eps, band, softcap) -> str:
+    # under torch.compile evaluated once, at trace time (as `spec.spec_name`); a float's repr reads back as itself
+    return repr((causal, scale, stats_eps, band, softcap))
 
 
 @functools.lru_cache(maxsize=4096)
