@@ -1155,9 +1155,8 @@ def test_padding_inside_the_kernels_gives_padding_by_hands_bits_with_every_featu
     stats, by_hand_stats = (AttentionStats(H, eps=SFA().eps) for _ in range(2))
     kw = dict(causal=causal, scale=D**-0.5, policy=resolve(precision), stabilize=stabilize, window=window,
               key_padding=keep, segments=segments, softcap=softcap)
-    case = f"seed {seed}: {precision}, D {D}, heads {H}/{H_kv}, T {Tq}/{Tk}, packed {packed}, causal {causal}, " \
-           f"window {window}, " \
-           f"keep {keep is not None}, softcap {softcap}, sfa {stabilize is not None}, {options}"
+    case = (f"seed {seed}: {precision}, D {D}, heads {H}/{H_kv}, T {Tq}/{Tk}, packed {packed}, causal {causal}, "
+            f"window {window}, keep {keep is not None}, softcap {softcap}, sfa {stabilize is not None}, {options}")
 
     def by_hand(q, k, v):
         wide = [torch.nn.functional.pad(t, (0, width - D)) for t in (q, k, v)]
