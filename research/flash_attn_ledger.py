@@ -5,8 +5,8 @@ shard wrote `compiles.jsonl` (its cases' Triton compiles), also the seconds spen
 would save.
 
 Each shard is one `research/flash_attn_tests.sh` output folder (its `cases.json` and `flash-attn-tests.xml`), run
-with the same SAMPLE N and its own SHARD K. A shard run twice counts once (its later run); shards of another N are
-refused, since they would overlap.
+with the same SAMPLE N, the same SHARD_BY and its own SHARD K. A shard run twice counts once (its later run);
+shards of another N or another SHARD_BY are refused, since they would overlap.
 
     python research/flash_attn_ledger.py OUT/shard-0 OUT/shard-1 ... --out results/drop-ins/flash-attn-ledger.json
 """
@@ -42,7 +42,7 @@ def read_shard(folder: Path) -> dict:
         for line in (folder / "compiles.jsonl").read_text().splitlines():
             record = json.loads(line)
             compiles[record["case"]] = record
-    return {"sample": cases["sample_one_in"], "shard": cases.get("shard", 0),
+    return {"sample": cases["sample_one_in"], "shard": cases.get("shard", 0), "shard_by": cases.get("shard_by"),
             "in_scope": {name: counts["in_scope"] for name, counts in cases["functions"].items()},
             "outcomes": outcomes, "seconds": seconds, "compiles": compiles}
 
@@ -51,9 +51,13 @@ def ledger(folders: list[Path]) -> dict:
     shards = {}
     for folder in folders:
         shard = read_shard(folder)
-        if shards and shard["sample"] != next(iter(shards.values()))["sample"]:
+        first = next(iter(shards.values()), shard)
+        if shard["sample"] != first["sample"]:
             raise ValueError(f"{folder}: shards of one in {shard['sample']} do not partition with the others' "
-                             f"one in {next(iter(shards.values()))['sample']}")
+                             f"one in {first['sample']}")
+        if shard["shard_by"] != first["shard_by"]:
+            raise ValueError(f"{folder}: shards by {shard['shard_by'] or 'hash'} do not partition with the others' "
+                             f"by {first['shard_by'] or 'hash'}")
         shards[shard["shard"]] = shard  # a shard run again: its later run counts
     if not shards:
         raise ValueError("folders: expected at least one shard's output folder")

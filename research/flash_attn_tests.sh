@@ -7,7 +7,8 @@
 # OUT/failures.jsonl (each failure's error, as it happens) and OUT/compiles.jsonl (each case's Triton compiles). Arguments after SAMPLE go to pytest (say, -k to pick cases).
 # SHARD=K (0 <= K < SAMPLE) runs the K-th of SAMPLE disjoint shards instead of the first: shards 0..SAMPLE-1 cover
 # every case in scope between them, so calls that each fit a time limit can run the whole file
-# (research/flash_attn_ledger.py adds up what the shards run so far have covered).
+# (research/flash_attn_ledger.py adds up what the shards run so far have covered). SHARD_BY=d,dtype deals whole groups
+# of cases sharing those parameters to the shards instead, so that each shard compiles its own kernels only.
 # The kernels launch at fixed tiles, untuned (TILES=tuned: autotune each shape, as a user's first call does).
 # LIMIT_S=S interrupts pytest after S seconds as Ctrl-C would, so that a run cut short still writes its junit XML (each
 # case's outcome and time, what research/flash_attn_ledger.py reads): set it below the call's own limit.
@@ -24,7 +25,7 @@ export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_
 ${LIMIT_S:+timeout -s INT -k 60 $LIMIT_S} python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
   -n "${WORKERS:-16}" --max-worker-restart 256 -v -rf --tb=line --timeout 300 --durations 40 \
   --upstream-sample "$sample" \
-  --upstream-shard "${SHARD:-0}" \
+  --upstream-shard "${SHARD:-0}" ${SHARD_BY:+--upstream-shard-by "$SHARD_BY"} \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
   --upstream-compiles "$out/compiles.jsonl" \
   --junitxml "$out/flash-attn-tests.xml" $([ "${TILES:-fixed}" = fixed ] && echo --upstream-fixed-tiles) "$@" > "$out/flash-attn-tests.log" 2>&1

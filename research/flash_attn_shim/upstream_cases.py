@@ -9,6 +9,11 @@ Deselected, each counted in the summary line pytest prints:
   same cases on every run), where the function has more than `--upstream-whole` cases in scope (those run whole).
   `--upstream-shard K` (0 <= K < N) picks the cases whose hash leaves K: shards 0 to N - 1 partition every case in
   scope (the small functions run whole in shard 0), so runs of successive shards cover the file between them.
+- with `--upstream-shard-by d,dtype` as well, the shards hold whole groups instead: the large functions' cases that
+  share the named parameters' values form one group, across functions (a case without such a parameter has None
+  there), and the groups are dealt to the N shards largest first, each to the shard with the fewest cases so far.
+  Each case compiles the kernels of its head dim and dtype, so grouped shards compile disjoint sets of kernels,
+  where shards by hash each compile nearly all of them.
 
 `--upstream-counts FILE` writes, per test function, the cases in scope and the cases run as JSON (under
 pytest-xdist the workers collect, and each writes the same file). `--upstream-failures FILE` appends one JSON line
@@ -42,6 +47,8 @@ def pytest_addoption(parser):
     parser.addoption("--upstream-sample", type=int, default=1, help="run one case in N of each large test function")
     parser.addoption("--upstream-shard", type=int, default=0, help="with --upstream-sample N, the shard K < N: the "
                      "cases whose hash modulo N is K")
+    parser.addoption("--upstream-shard-by", default=None, help="with --upstream-sample N, deal whole groups of cases "
+                     "to the shards: the cases sharing these comma-separated parameters' values (say, d,dtype)")
     parser.addoption("--upstream-whole", type=int, default=100, help="functions with at most this many cases in "
                      "scope run whole")
     parser.addoption("--upstream-counts", default=None, help="write the per-function counts to this JSON file")
@@ -58,19 +65,44 @@ def _in_scope(item) -> bool:
                 or item.originalname in PRIVATE_ENTRY_POINTS)
 
 
+def _group(item, names: tuple[str, ...]) -> tuple[str, ...]:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return tuple(repr(params.get(name)) for name in names)
+
+
+def _dealt_groups(items, names: tuple[str, ...], every: int) -> dict[tuple[str, ...], int]:
+    """Each group's shard: largest group first, to the shard with the fewest cases so far (the lowest on a tie)."""
+    sizes = Counter(_group(item, names) for item in items)
+    load, shard_of = [0] * every, {}
+    for group, size in sorted(sizes.items(), key=lambda entry: (-entry[1], entry[0])):
+        shard_of[group] = min(range(every), key=lambda k: (load[k], k))
+        load[shard_of[group]] += size
+    return shard_of
+
+
 def pytest_collection_modifyitems(config, items):
     every, whole = config.getoption("--upstream-sample"), config.getoption("--upstream-whole")
     shard = config.getoption("--upstream-shard")
     if not 0 <= shard < every:
         raise pytest.UsageError(f"--upstream-shard: expected 0 <= K < --upstream-sample ({every}), got {shard}")
+    by = config.getoption("--upstream-shard-by")
+    names = tuple(name.strip() for name in by.split(",") if name.strip()) if by else ()
+    if by is not None and not names:
+        raise pytest.UsageError(f"--upstream-shard-by: expected comma-separated parameter names, got {by!r}")
     in_scope = [item for item in items if _in_scope(item)]
     per_function = Counter(item.originalname for item in in_scope)
+    large = [item for item in in_scope if per_function[item.originalname] > whole]
+    if names:
+        shard_of = _dealt_groups(large, names, every)
+        picked = {id(item) for item in large if shard_of[_group(item, names)] == shard}
+    else:
+        picked = {id(item) for item in large if zlib.crc32(item.nodeid.encode()) % every == shard}
     kept = [item for item in in_scope if (shard == 0 if per_function[item.originalname] <= whole
-                                          else zlib.crc32(item.nodeid.encode()) % every == shard)]
+                                          else id(item) in picked)]
     config._upstream_counts = (per_function, Counter(item.originalname for item in kept))
     if config.getoption("--upstream-counts"):
         with open(config.getoption("--upstream-counts"), "w") as f:
-            json.dump({"sample_one_in": every, "shard": shard, "whole_below": whole,
+            json.dump({"sample_one_in": every, "shard": shard, "whole_below": whole, "shard_by": list(names) or None,
                        "functions": {name: {"in_scope": n, "run": config._upstream_counts[1][name]}
                                      for name, n in sorted(per_function.items())}}, f, indent=1)
     kept_ids = {id(item) for item in kept}

@@ -68,6 +68,58 @@ def test_the_shards_of_a_sample_partition_the_cases(tmp_path):
     assert _run(tmp_path, "--upstream-sample", "3", "--upstream-shard", "3")[0].returncode != 0
 
 
+GROUPED = '''
+import pytest
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", [32, 40, 64, 80, 128])
+@pytest.mark.parametrize("n", range(30))
+def test_output(n, d, dtype):
+    pass
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("n", range(120))
+def test_kvcache(n, d):
+    pass
+'''
+
+
+def test_shards_by_parameters_hold_whole_groups_and_partition_the_cases(tmp_path):
+    """With --upstream-shard-by d,dtype each (d, dtype) group, across functions, runs in one shard alone; the shards
+    partition every case in scope, dealt largest group first to the emptiest shard; an empty name list is refused."""
+    (tmp_path / "test_upstream.py").write_text(GROUPED)
+    runs = []
+    for shard in range(3):
+        done = subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-rA", "-o", "addopts=",
+                               "-p", "upstream_cases", "-p", "no:cacheprovider", "--upstream-sample", "3",
+                               "--upstream-shard", str(shard), "--upstream-shard-by", "d,dtype",
+                               "--upstream-counts", f"counts-{shard}.json"],
+                              cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"},
+                              capture_output=True, text=True, timeout=300)
+        runs.append([line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith("PASSED")])
+        assert json.loads((tmp_path / f"counts-{shard}.json").read_text())["shard_by"] == ["d", "dtype"]
+    cases = [case for run in runs for case in run]
+    assert len(cases) == len(set(cases)) == 300 + 240, [len(r) for r in runs]
+
+    def group(case):  # test_output[n-d-dtype] or test_kvcache[n-d]
+        params = case.split("[")[1].rstrip("]").split("-")[1:]
+        return (params[0], params[1] if len(params) > 1 else None)
+
+    shard_of = {}
+    for shard, run in enumerate(runs):
+        for case in run:
+            assert shard_of.setdefault(group(case), shard) == shard, case
+    # groups: (64, None) and (256, None) of 120 cases, ten of 30: the two large ones go to shards 0 and 1 first
+    assert shard_of[("64", None)] != shard_of[("256", None)]
+    assert sorted(map(len, runs)) == [180, 180, 180]
+    refused = subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-o", "addopts=", "-p",
+                              "upstream_cases", "-p", "no:cacheprovider", "--upstream-sample", "3",
+                              "--upstream-shard-by", ","], cwd=tmp_path,
+                             env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "--upstream-shard-by" in refused.stderr + refused.stdout
+
+
 def test_the_ledger_adds_up_the_shards(tmp_path):
     """`research/flash_attn_ledger.py` over shards 0..2 of one in 3: every case in scope reported once, the one
     failure among them; a shard run again counts once; a shard of another sample size is refused."""
@@ -94,6 +146,10 @@ def test_the_ledger_adds_up_the_shards(tmp_path):
     assert ledger(folders[:1])["shards_left"] == [1, 2]
     with pytest.raises(ValueError, match="one in 2"):
         ledger(folders)
+    grouped = json.loads((folders[1] / "cases.json").read_text()) | {"shard_by": ["n"]}
+    (folders[1] / "cases.json").write_text(json.dumps(grouped))
+    with pytest.raises(ValueError, match="by \\['n'\\]"):
+        ledger(folders[:2])
 
 
 def test_the_ledger_projects_the_time_of_the_cases_left(tmp_path):
