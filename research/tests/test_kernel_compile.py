@@ -142,12 +142,13 @@ def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
     assert "wgmma.mma_async" in compiled.asm["ptx"] and wgmma_serialization(compiled) is None
 
 
-@pytest.mark.parametrize("head_dim, d_in", [(128, 80), (128, 96), (256, 160)])
+@pytest.mark.parametrize("head_dim, d_in", [(64, 40), (128, 80), (128, 96), (256, 160)])
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
 def test_a_head_dim_padded_inside_the_kernels_compiles_like_the_full_one(policy, kernel, head_dim, d_in):
     """`D_IN`: the columns past the inputs' head dim masked in every load and store. SFA's kernels, native and
-    emulated, compile for sm_90 with the full head dim's tensor-core products (wgmmas asynchronous), at most 16 bytes
+    emulated, compile for sm_90 with the full head dim's tensor-core products, instruction for instruction (so at the
+    same tile a padded call multiplies as padding by hand does; wgmmas asynchronous), at most 16 bytes
     more spilled (natively on an 8-warp candidate tile; at D = 128 every dK/dV tile with pointer loads spills 24-1504
     bytes at either width), and global loads and stores as wide as the full head dim's, one for one (D_IN a multiple
     of 8 bf16 values, a constant from which the compiler proves 16-byte column runs; at 84 they halve)."""
@@ -165,12 +166,18 @@ def test_a_head_dim_padded_inside_the_kernels_compiles_like_the_full_one(policy,
     consts = constexprs(name, kernel, head_dim, config)
     whole = compile_kernel(name, kernel, consts, config)
     compiled = compile_kernel(name, kernel, {**consts, "D_IN": d_in}, config)
-    # the tensor-core form the full head dim uses (the emulation's 32x32 tiles at D = 256: mma, not wgmma)
-    assert ("wgmma.mma_async" in compiled.asm["ptx"]) == ("wgmma.mma_async" in whole.asm["ptx"])
+    # the tensor-core products the full head dim makes, in the same order (the emulation's 32x32 tiles at D = 256:
+    # mma, not wgmma)
+    assert _tensor_core_products(whole) and _tensor_core_products(compiled) == _tensor_core_products(whole)
     assert wgmma_serialization(compiled) is None
     usage, full = resource_usage(compiled), resource_usage(whole)
     assert usage["registers"] <= 255 and usage["spill_stack_bytes"] <= full["spill_stack_bytes"] + 16, (usage, full)
     assert _memory_instructions(compiled) == _memory_instructions(whole)
+
+
+def _tensor_core_products(compiled) -> list[str]:
+    """A kernel's tensor-core instructions (wgmma or mma, with their shapes and types), in the PTX's order."""
+    return re.findall(r"\b(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)", compiled.asm["ptx"])
 
 
 def _memory_instructions(compiled) -> Counter:
