@@ -1,12 +1,15 @@
 """The host's time for one eager attention call, our Python alone, on a machine without a GPU: two trees compared.
 
-Each call goes through the public `flash_attention` with `backend="triton"` on CPU tensors dressed as CUDA ones, and
-Triton's launches stood in for (`launch._launch`, the one function every launch goes through) with autotuning off, so
-what is timed is the package's Python and torch's operator and autograd layers: what the H200's host pays on top
-of Triton's binder and the driver. Both trees run in child processes, interleaved round by round; a tree is a
+Each call goes through the public `flash_attention` with `backend="triton"` on CPU tensors dressed as CUDA ones, with
+autotuning off. With `--launches stood-in` (the default) Triton's launches are stood in for (`launch._launch`, the
+one function every launch goes through), so what is timed is the package's Python and torch's operator and autograd
+layers. With `--launches triton` Triton's own launch path runs too (its argument binder, kernel cache and launcher
+lookup, through a stand-in driver whose launcher launches nothing: the kernels compile for sm_90 on first use), so
+the difference between the two is Triton's Python per launch. Neither has the driver's own launch, nor the autograd
+engine's hand-off to its CUDA thread. Both trees run in child processes, interleaved round by round; a tree is a
 folder holding `stableflash/` (`git archive REV stableflash | tar -x -C DIR`).
 
-    python research/host_time.py --before DIR [--after .] --out OUT.json [--rounds 7]
+    python research/host_time.py --before DIR [--after .] --out OUT.json [--rounds 7] [--launches triton]
 """
 
 from __future__ import annotations
@@ -24,7 +27,52 @@ CALLS = ("fa2", "sfa", "sfa-stats")
 SHAPE = (1, 2, 64, 64)  # small: the stood-in launches make the size matter only through allocations
 
 
-def measure(repeats: int) -> dict:
+def stand_in_driver() -> None:
+    """Triton's launch path without a GPU: a driver for an sm_90 device whose kernels load as nothing and whose
+    launcher launches nothing, so that Triton's binder, kernel cache and launcher lookup run as on the GPU."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class NoLaunch:
+        def __init__(self, src, metadata):
+            pass
+
+        def __call__(self, *args):
+            pass
+
+    class Utils:
+        def load_binary(self, name, kernel, shared, device):
+            return 1, 1, 0, 0, 1024  # module, function, registers, spills, threads
+
+        def get_device_properties(self, device):
+            return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+
+    class StandIn:
+        utils, launcher_cls = Utils(), NoLaunch
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+        def map_python_to_cpp_type(self, ty):
+            return ty
+
+    driver.set_active(StandIn())
+
+
+def measure(repeats: int, launches: str) -> dict:
     """Median host µs per call in this process's tree: forward+backward, forward alone, backward alone."""
     import torch
 
@@ -32,7 +80,10 @@ def measure(repeats: int) -> dict:
     from stableflash import SFA, AttentionStats, flash_attention
     from stableflash.attention.triton import launch, set_kernel_options
 
-    launch._launch = lambda *args, **kwargs: None
+    if launches == "triton":
+        stand_in_driver()
+    else:
+        launch._launch = lambda *args, **kwargs: None
     set_kernel_options(autotune=False)
     api._HAS_TRITON = True
     api.triton_available = lambda q: True
@@ -76,10 +127,10 @@ def measure(repeats: int) -> dict:
     return report
 
 
-def run_tree(tree: Path, repeats: int) -> dict:
+def run_tree(tree: Path, repeats: int, launches: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree.resolve()), "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, __file__, "--measure", "--repeats", str(repeats)], env=env, check=True,
-                          capture_output=True, text=True, cwd=tree)
+    done = subprocess.run([sys.executable, __file__, "--measure", "--repeats", str(repeats), "--launches", launches],
+                          env=env, check=True, capture_output=True, text=True, cwd=tree)
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -90,10 +141,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the rounds and the summary here as JSON")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=2000, help="calls timed per measurement")
+    parser.add_argument("--launches", choices=("stood-in", "triton"), default="stood-in",
+                        help="stand in for Triton's launches, or run its launch path with a stand-in driver")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # a child: one tree, one round
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.repeats)))
+        print(json.dumps(measure(args.repeats, args.launches)))
         return
     if args.before is None or args.out is None:
         parser.error("--before and --out are required")
@@ -102,7 +155,8 @@ def main() -> None:
             parser.error(f"{tree}: expected a folder holding stableflash/")
     rounds = []
     for i in range(args.rounds):
-        rounds.append({"before": run_tree(args.before, args.repeats), "after": run_tree(args.after, args.repeats)})
+        rounds.append({"before": run_tree(args.before, args.repeats, args.launches),
+                       "after": run_tree(args.after, args.repeats, args.launches)})
         print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     summary = {}
     print(f"{'call':<10} {'part':<7} {'before µs':>10} {'after µs':>10} {'after/before':>13} {'rounds < 1':>11}")
@@ -117,7 +171,8 @@ def main() -> None:
             summary[f"{name}/{part}"] = row
             print(f"{name:<10} {part[:-3]:<7} {row['before_us']:10.1f} {row['after_us']:10.1f} {row['ratio']:13.3f} "
                   f"{row['rounds_below_1']:>7}/{len(ratios)}")
-    machine = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "shape": SHAPE, "repeats": args.repeats}
+    machine = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "shape": SHAPE, "repeats": args.repeats,
+               "launches": args.launches}
     args.out.write_text(json.dumps({"machine": machine, "summary": summary, "rounds": rounds}, indent=1))
 
 

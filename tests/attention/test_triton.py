@@ -1228,6 +1228,30 @@ def test_the_kernels_ops_export_save_and_load_with_the_eager_calls_bits():
     assert torch.equal(loaded.module()(q, k, v), Attention()(q, k, v))
 
 
+def test_only_the_output_carries_a_gradient_and_none_is_zero_filled():
+    """The forward op's other outputs (its saved O, log-sum-exp, statistics) take no gradient: an eager
+    forward+backward allocates no zero tensor for theirs (a GPU memset each), and a loss on them alone gives the
+    inputs none. The gradients are the same as before."""
+    from stableflash.attention import triton as backend
+    from stableflash.attention.triton import ops
+    from stableflash.attention.triton.spec import spec_name
+
+    q, k, v = _inputs((1, 2, 40, 16))
+    dout = torch.randn_like(q)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        grads = _run(lambda q, k, v: backend.attention(q, k, v, causal=True, scale=0.25, policy=resolve("fa2")),
+                     q, k, v, dout)
+    filled = [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zero_", "aten::fill_")]
+    assert not filled, filled
+    reference = _run(lambda q, k, v: flash_attention(q, k, v, causal=True, scale=0.25, backend="reference",
+                                                     precision="fa2"), q, k, v, dout)
+    assert all(rel_err(a, b) < 0.02 for a, b in zip(grads[1:], reference[1:]))
+    name = spec_name(resolve("fa2"), None, torch.bfloat16, 16, 40)
+    _, _, lse, _, _ = ops.flash_fwd(q, k, v, None, name, ops.Call(True, 0.25, None).encode())
+    lse.sum().backward()
+    assert q.grad is None and k.grad is None and v.grad is None
+
+
 def test_a_padded_head_dim_compiles_whole_with_the_eager_calls_bits():
     """torch.compile(fullgraph=True) through the padding and the ops: the same bits as eagerly, gradients included."""
     from stableflash.attention import triton as backend

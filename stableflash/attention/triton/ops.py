@@ -95,6 +95,8 @@ def _(dout, q, k, v, o_saved, lse, keep, name, call, atomic_dq, group_sum):
 def _setup_context(ctx, inputs, output):
     q, k, v, keep, name, call = inputs
     out, o_saved, lse, _, _ = output
+    # only O carries a gradient: unmaterialised, the other outputs' cost no zero tensors (one GPU memset per call)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse, keep)
     ctx.name, ctx.call = name, call
     switches = options.current()  # the options in force at the forward choose its backward, wherever that runs
@@ -102,6 +104,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, *_):
+    if dout is None:  # O had no gradient (only an unmaterialised output was reached): none for the inputs
+        return None, None, None, None, None, None
     q, k, v, o_saved, lse, keep = ctx.saved_tensors
     dq, dk, dv = flash_bwd(dout, q, k, v, o_saved, lse, keep, ctx.name, ctx.call, *ctx.backward_switches)
     return dq, dk, dv, None, None, None
