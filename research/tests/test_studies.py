@@ -8,6 +8,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -323,13 +325,16 @@ def test_seed_scale_runs_ddp_on_two_processes_resumes_and_summarises(tmp_path):
     assert "1 GPU:" in shown and "8 GPUs:" in shown and "2.78" in shown  # 3.5e9 / 350000 / 3600 on one GPU
 
 
-def test_host_time_compares_two_trees_with_the_launches_stood_in_for(tmp_path):
-    """research/host_time.py on the CPU: both trees (here the same one) measured in child processes, a row per call
-    and part, and the JSON; a tree without stableflash/ is refused by name."""
+@pytest.mark.parametrize("launches", ["stood-in", "triton"])
+def test_host_time_compares_two_trees(tmp_path, launches):
+    """research/host_time.py on the CPU: both trees (here the same one) measured in child processes, with Triton's
+    launches stood in for or its own launch path through a stand-in driver (the kernels compiled for sm_90), a row
+    per call and part, and the JSON; a tree without stableflash/ is refused by name."""
     out = tmp_path / "host.json"
     done = subprocess.run([sys.executable, str(ROOT / "research" / "host_time.py"), "--before", str(ROOT), "--after",
-                           str(ROOT), "--rounds", "1", "--repeats", "20", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, check=True, cwd=tmp_path)
+                           str(ROOT), "--rounds", "1", "--repeats", "20", "--launches", launches, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, check=True, cwd=tmp_path)
+    assert json.loads(out.read_text())["machine"]["launches"] == launches
     summary = json.loads(out.read_text())["summary"]
     assert sorted(summary) == sorted(f"{call}/{part}" for call in ("fa2", "sfa", "sfa-stats")
                                      for part in ("fwd_bwd_us", "fwd_us", "bwd_us"))
