@@ -1110,6 +1110,7 @@ def test_a_padded_head_dim_saves_no_padded_copy(precision):
         return t
 
     kw = dict(causal=True, scale=D**-0.5, policy=resolve(precision))
+
     def by_hand(q, k, v):
         return backend.attention(*(torch.nn.functional.pad(t, (0, width - D)) for t in (q, k, v)), **kw)[..., :D]
 
@@ -1231,7 +1232,7 @@ def test_the_kernels_ops_export_save_and_load_with_the_eager_calls_bits():
 def test_only_the_output_carries_a_gradient_and_none_is_zero_filled():
     """The forward op's other outputs (its saved O, log-sum-exp, statistics) take no gradient: an eager
     forward+backward allocates no zero tensor for theirs (a GPU memset each), and a loss on them alone gives the
-    inputs none. The gradients are the same as before."""
+    inputs none. The gradients still match the reference's."""
     from stableflash.attention import triton as backend
     from stableflash.attention.triton import ops
     from stableflash.attention.triton.spec import spec_name

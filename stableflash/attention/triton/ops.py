@@ -95,7 +95,8 @@ def _(dout, q, k, v, o_saved, lse, keep, name, call, atomic_dq, group_sum):
 def _setup_context(ctx, inputs, output):
     q, k, v, keep, name, call = inputs
     out, o_saved, lse, _, _ = output
-    # only O carries a gradient: unmaterialised, the other outputs' cost no zero tensors (one GPU memset per call)
+    # only O takes a gradient: the other four outputs' are left as None, not built as zero tensors (the log-sum-exp's
+    # was a GPU memset per call)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, o_saved if o_saved.numel() else out, lse, keep)
     ctx.name, ctx.call = name, call
