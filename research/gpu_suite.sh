@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores).
 #   research/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf|
-#                                 decode|atomic-dq|breakdown|heads|host|sweep]...
+#                                 decode|atomic-dq|breakdown|heads|host|host-profile|padded|sweep]...
 #   (default: tests bench)
 # train: the compiled training step's throughput, sdpa against our kernels, six interleaved rounds
 # profile: a profile of the compiled training step
@@ -19,6 +19,8 @@
 #   (docs/speed-predictions.md)
 # host: the eager call's host and device time at (16, 12, 1024, 64), this tree's and, with HOST_BEFORE=DIR (a
 #   `git archive` of another commit's stableflash/, carried), that tree's in the same call (research/eager_host.py)
+# host-profile: where that call's host time goes: per part of the eager path (--sections) and cProfile (--profile)
+# padded: the kernel tests of head dims padded inside the kernels alone (a quick check after changing them)
 # sweep: the random differential sweep of the public calls against a dense fp64 softmax (research/attention_sweep.py),
 #   SWEEP_S seconds (default 240) of fresh cases from SWEEP_SEED (default 0)
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
@@ -84,6 +86,12 @@ for part in $parts; do
             PYTHONPATH=$HOST_BEFORE python3 research/eager_host.py --out "$out/eager-host-before.json" 2>&1 \
               | grep -v Warning | tee "$out/eager-host-before.log"
           fi ;;
+    host-profile) { python3 research/eager_host.py --out "$out/unused.json" --sections 200
+                    python3 research/eager_host.py --out "$out/unused.json" --profile 300; } 2>&1 | grep -v Warning \
+                    | tee "$out/eager-host-profile.log" ;;
+    padded) python3 -m pytest -n 14 -m gpu -v --tb=short -rfE --timeout 300 -p no:cacheprovider \
+              tests/attention/test_triton.py -k "padded or padding_inside or zero_padded" > "$out/padded-tests.log" 2>&1
+            status=$((status | $?)); tail -3 "$out/padded-tests.log" ;;
     sweep) python3 research/attention_sweep.py --device cuda --budget-s "${SWEEP_S:-240}" --seed "${SWEEP_SEED:-0}" \
              --cases 1000000 --out "$out/attention-sweep.json" 2>&1 | grep -v Warning | tail -40 \
              | tee "$out/attention-sweep.log"; status=$((status | PIPESTATUS[0])) ;;
