@@ -24,16 +24,21 @@ def test_flash_attn_generator_arg_must_be_none():
 '''
 
 
+def _pytest(cwd, *args, **env):
+    """pytest in a child process with the plugin on and the shim first on the path; `env` adds variables."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "upstream_cases", "-p",
+                           "no:cacheprovider", *args], cwd=cwd,
+                          env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin", **env}, capture_output=True,
+                          text=True, timeout=300)
+
+
 def _run(tmp_path, *options):
     test_file = tmp_path / "test_upstream.py"
     test_file.write_text(CASES)
     counts, failures = tmp_path / "counts.json", tmp_path / "failures.jsonl"
     failures.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, "-m", "pytest", str(test_file), "-q", "-o", "addopts=", "-p",
-                           "upstream_cases", "-p", "no:cacheprovider", "--upstream-counts", str(counts),
-                           "--upstream-failures", str(failures), *options],
-                          cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True,
-                          text=True, timeout=300)
+    done = _pytest(tmp_path, str(test_file), "--upstream-counts", str(counts), "--upstream-failures", str(failures),
+                   *options)
     lines = failures.read_text().splitlines() if failures.exists() else []
     return done, json.loads(counts.read_text())["functions"], [json.loads(line) for line in lines]
 
@@ -90,12 +95,8 @@ def test_shards_by_parameters_hold_whole_groups_and_partition_the_cases(tmp_path
     (tmp_path / "test_upstream.py").write_text(GROUPED)
     runs = []
     for shard in range(3):
-        done = subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-rA", "-o", "addopts=",
-                               "-p", "upstream_cases", "-p", "no:cacheprovider", "--upstream-sample", "3",
-                               "--upstream-shard", str(shard), "--upstream-shard-by", "d,dtype",
-                               "--upstream-counts", f"counts-{shard}.json"],
-                              cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"},
-                              capture_output=True, text=True, timeout=300)
+        done = _pytest(tmp_path, "test_upstream.py", "-rA", "--upstream-sample", "3", "--upstream-shard", str(shard),
+                       "--upstream-shard-by", "d,dtype", "--upstream-counts", f"counts-{shard}.json")
         runs.append([line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith("PASSED")])
         assert json.loads((tmp_path / f"counts-{shard}.json").read_text())["shard_by"] == ["d", "dtype"]
     cases = [case for run in runs for case in run]
@@ -112,11 +113,7 @@ def test_shards_by_parameters_hold_whole_groups_and_partition_the_cases(tmp_path
     # groups: (64, None) and (256, None) of 120 cases, ten of 30: the two large ones go to shards 0 and 1 first
     assert shard_of[("64", None)] != shard_of[("256", None)]
     assert sorted(map(len, runs)) == [180, 180, 180]
-    refused = subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-o", "addopts=", "-p",
-                              "upstream_cases", "-p", "no:cacheprovider", "--upstream-sample", "3",
-                              "--upstream-shard-by", ","], cwd=tmp_path,
-                             env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                             timeout=300)
+    refused = _pytest(tmp_path, "test_upstream.py", "--upstream-sample", "3", "--upstream-shard-by", ",")
     assert refused.returncode != 0 and "--upstream-shard-by" in refused.stderr + refused.stdout
 
 
@@ -131,12 +128,8 @@ def test_the_ledger_adds_up_the_shards(tmp_path):
     for sample, shard in ((3, 0), (3, 1), (3, 2), (3, 1), (2, 0)):
         folder = tmp_path / f"shard-{sample}-{shard}-{len(folders)}"
         folder.mkdir()
-        subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-o", "addopts=", "-p",
-                        "upstream_cases", "-p", "no:cacheprovider", "--upstream-sample", str(sample),
-                        "--upstream-shard", str(shard), "--upstream-counts", str(folder / "cases.json"),
-                        "--junitxml", str(folder / "flash-attn-tests.xml")],
-                       cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True,
-                       text=True, timeout=300)
+        _pytest(tmp_path, "test_upstream.py", "--upstream-sample", str(sample), "--upstream-shard", str(shard),
+                "--upstream-counts", str(folder / "cases.json"), "--junitxml", str(folder / "flash-attn-tests.xml"))
         folders.append(folder)
     whole = ledger(folders[:4])
     assert whole["shards_run"] == [0, 1, 2] and whole["shards_left"] == []
@@ -184,11 +177,8 @@ def test_b_runs_after_it():
 def test_a_case_that_loses_the_cuda_context_ends_its_worker(tmp_path):
     """Under pytest-xdist the worker exits after reporting the failure; a fresh one runs the next case."""
     (tmp_path / "test_upstream.py").write_text(LOST_CONTEXT)
-    done = subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-o", "addopts=", "-p",
-                           "upstream_cases", "-p", "no:cacheprovider", "-n", "1", "-p", "no:randomly",
-                           "--upstream-failures", "failures.jsonl", "--max-worker-restart", "4"],
-                          cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True,
-                          text=True, timeout=300)
+    done = _pytest(tmp_path, "test_upstream.py", "-n", "1", "-p", "no:randomly", "--upstream-failures",
+                   "failures.jsonl", "--max-worker-restart", "4")
     failures = [json.loads(line) for line in (tmp_path / "failures.jsonl").read_text().splitlines()]
     # the worker's own report, then the controller's of its exit; the next case passes in a fresh worker
     assert [f["case"].split("::")[1] for f in failures] == ["test_a_breaks_the_gpu"] * 2, done.stdout[-2000:]
@@ -208,10 +198,7 @@ def test_tiles():
 def test_fixed_tiles_turn_autotuning_off_in_each_process(tmp_path):
     test_file = tmp_path / "test_tiles.py"
     test_file.write_text(TILES)
-    done = subprocess.run([sys.executable, "-m", "pytest", str(test_file), "-q", "-o", "addopts=", "-p",
-                           "upstream_cases", "-p", "no:cacheprovider", "--upstream-fixed-tiles", "-n", "2"],
-                          cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin"}, capture_output=True,
-                          text=True, timeout=300)
+    done = _pytest(tmp_path, str(test_file), "--upstream-fixed-tiles", "-n", "2")
     assert "1 passed" in done.stdout, done.stdout[-2000:]
 
 
@@ -244,12 +231,8 @@ def test_each_cases_triton_compiles_are_recorded(tmp_path):
     """A case that compiles a kernel (offline, for sm_90: no GPU needed) is recorded with its compile time, one that
     finds it in Triton's on-disk cache as loaded, one that builds nothing not at all."""
     (tmp_path / "test_upstream.py").write_text(BUILDS)
-    done = subprocess.run([sys.executable, "-m", "pytest", "test_upstream.py", "-q", "-o", "addopts=", "-p",
-                           "upstream_cases", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "--upstream-compiles", "compiles.jsonl"],
-                          cwd=tmp_path, env={"PYTHONPATH": str(SHIM), "PATH": "/usr/bin:/bin",
-                                             "TRITON_CACHE_DIR": str(tmp_path / "cache")},
-                          capture_output=True, text=True, timeout=300)
+    done = _pytest(tmp_path, "test_upstream.py", "-p", "no:randomly", "--upstream-compiles", "compiles.jsonl",
+                   TRITON_CACHE_DIR=str(tmp_path / "cache"))
     assert "3 passed" in done.stdout, done.stdout[-2000:]
     records = {json.loads(line)["case"].split("::")[1]: json.loads(line)
                for line in (tmp_path / "compiles.jsonl").read_text().splitlines()}
