@@ -147,11 +147,12 @@ def test_native_kernels_keep_wgmmas_asynchronous(kernel, config):
 @pytest.mark.parametrize("policy", ["fa2", "paper"])
 def test_a_head_dim_padded_inside_the_kernels_compiles_like_the_full_one(policy, kernel, head_dim, d_in):
     """`D_IN`: the columns past the inputs' head dim masked in every load and store. SFA's kernels, native and
-    emulated, compile for sm_90 with the full head dim's tensor-core products, instruction for instruction (so at the
-    same tile a padded call multiplies as padding by hand does; wgmmas asynchronous), at most 16 bytes
-    more spilled (natively on an 8-warp candidate tile; at D = 128 every dK/dV tile with pointer loads spills 24-1504
-    bytes at either width), and global loads and stores as wide as the full head dim's, one for one (D_IN a multiple
-    of 8 bf16 values, a constant from which the compiler proves 16-byte column runs; at 84 they halve)."""
+    emulated, compiled as a launch in a model's layout specialises them (strides that are multiples of d_in: at 40
+    not divisible by 16, so known as multiples of 8 through `STRIDE8` alone), do the full head dim's float work on
+    its layouts, op for op (so at the same tile a padded call's bits are padding by hand's), with its tensor-core
+    products in the same order (wgmmas asynchronous), at most 16 bytes more spilled (natively on an 8-warp candidate
+    tile; at D = 128 every dK/dV tile with pointer loads spills 24-1504 bytes at either width), and global loads and
+    stores as wide as the full head dim's, one for one."""
     if policy == "paper":
         config = tuning.emulation_config(False, head_dim)
     elif head_dim == 256:
@@ -165,7 +166,9 @@ def test_a_head_dim_padded_inside_the_kernels_compiles_like_the_full_one(policy,
     name = _name(policy, SFA(), head_dim)
     consts = constexprs(name, kernel, head_dim, config)
     whole = compile_kernel(name, kernel, consts, config)
-    compiled = compile_kernel(name, kernel, {**consts, "D_IN": d_in}, config)
+    as_launched = {"D_IN": d_in} if d_in % 16 == 0 else {"D_IN": d_in, "STRIDE8": True}  # `launch._head_dims`
+    compiled = compile_kernel(name, kernel, {**consts, **as_launched}, config, strides16=d_in % 16 == 0)
+    assert _float_work(compiled) == _float_work(whole)
     # the tensor-core products the full head dim makes, in the same order (the emulation's 32x32 tiles at D = 256:
     # mma, not wgmma)
     assert _tensor_core_products(whole) and _tensor_core_products(compiled) == _tensor_core_products(whole)
@@ -173,6 +176,35 @@ def test_a_head_dim_padded_inside_the_kernels_compiles_like_the_full_one(policy,
     usage, full = resource_usage(compiled), resource_usage(whole)
     assert usage["registers"] <= 255 and usage["spill_stack_bytes"] <= full["spill_stack_bytes"] + 16, (usage, full)
     assert _memory_instructions(compiled) == _memory_instructions(whole)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+def test_without_stride8_a_head_dim_of_40_loads_in_another_layout(kernel):
+    """What `STRIDE8` is for: strides like 40, which Triton cannot prove divisible by 16, lay the native kernels'
+    loads out one 16-bit value per thread, so they add in another order than the full head dim's (these kernels sum
+    rows: δ, the softmax's row sums) and load narrower."""
+    config = {"fwd": tuning.config(128, 64, 8, 3), "dq": tuning.config(128, 64, 8, 3),
+              "dkdv": tuning.config(64, 128, 8, 3)}[kernel]
+    config = triton.Config({**config.kwargs, "TMA": False}, num_warps=config.num_warps, num_stages=config.num_stages)
+    name = _name("fa2", SFA(), 64)
+    consts = constexprs(name, kernel, 64, config)
+    whole = compile_kernel(name, kernel, consts, config)
+    unhinted = compile_kernel(name, kernel, {**consts, "D_IN": 40}, config, strides16=False)
+    assert _float_work(unhinted) != _float_work(whole)
+    assert _memory_instructions(unhinted) != _memory_instructions(whole)
+
+
+_FLOAT_OP = re.compile(r"= (arith\.(?:add|sub|mul|div|max\w*|min\w*|neg|trunc|ext)f|math\.\w+|tt\.reduce|tt\.dot|"
+                       r"ttng\.warp_group_dot\w*|ttg\.convert_layout)\b.*?: (.*?) loc\(")
+
+
+def _float_work(compiled) -> list[tuple[str, str]]:
+    """A kernel's float operations, reductions, products and layout conversions in program order (Triton's GPU IR),
+    each with its operand and result types, layouts written out (the IR's layout names number them as met)."""
+    ir = compiled.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.MULTILINE))
+    return [(op, re.sub(r"#\w+", lambda m: layouts.get(m[0], m[0]), re.sub(r"%[\w#]+", "", types)))
+            for op, types in _FLOAT_OP.findall(ir)]
 
 
 def _tensor_core_products(compiled) -> list[str]:

@@ -1050,7 +1050,10 @@ def test_ops_trace_without_graph_breaks(layout, precision, D):
 
 # Padding inside the kernels and by hand give the same bits at the same tiles and kernels. Autotuned, the two calls
 # are timed apart (D_IN is in the tuning key) and may pick other tiles, which sum in another order; the Gluon forward
-# takes unpadded calls only. So these comparisons launch untuned, at each kernel's first candidate tile.
+# takes unpadded calls only. So these comparisons launch untuned, at each kernel's first candidate tile. At D = 40
+# the inputs' strides (40, 160, ...) are not divisible by 16, which Triton's layouts follow: the launch states them
+# multiples of 8 (`STRIDE8`), so the padded kernels lay out and sum as the full head dim's
+# (research/tests/test_kernel_compile.py checks that on the compiled kernels).
 SAME_TILES = dict(autotune=False, hopper_forward=False)
 
 NARROW_HEADS = {  # head dim, kernels' width: padded to the next of `HEAD_DIMS`
@@ -1092,6 +1095,33 @@ def test_head_dims_between_the_kernels_run_zero_padded_and_exact(heads, stabiliz
         assert torch.equal(a, b), (name, f"seed {seed}")
     assert torch.equal(stats.repeated_max_rows, padded_stats.repeated_max_rows), f"seed {seed}"
     _assert_within_twice_the_references_error_against_fp64(ours, q, k, v, dout, seed, stabilize, causal=True)
+
+
+def test_stride8_is_stated_where_every_row_stride_is_a_multiple_of_8_and_triton_cannot_see_it():
+    """`STRIDE8` tells a padded launch's kernels what Triton's specialisation (divisibility by 16) misses: every row
+    stride, the outputs' included (laid out from the head dim), a multiple of 8. Never where one is not, and a call
+    there still matches fp64 as well as the reference does."""
+    from stableflash.attention import triton as backend
+    from stableflash.attention.triton import launch
+
+    def heads(rows: int, d: int = 40):  # a model's (B, T, H, rows) activations, heads of d columns viewed out
+        return torch.randn(2, 45, 4, rows)[..., :d].transpose(1, 2)
+
+    assert launch._head_dims(heads(40), heads(40)) == (64, {"D_IN": 40, "STRIDE8": True})
+    assert launch._head_dims(heads(48), heads(48)) == (64, {"D_IN": 40, "STRIDE8": True})  # the outputs' 40
+    assert launch._head_dims(heads(40), heads(44)) == (64, {"D_IN": 40})
+    assert launch._head_dims(heads(36, 36)) == (64, {"D_IN": 36})
+    assert launch._head_dims(heads(80, 80)) == (128, {"D_IN": 80})  # 16 divides every stride: Triton sees it
+    assert launch._head_dims(heads(64, 64)) == (64, {})
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 37, 2, 44, generator=g).to(torch.bfloat16).to(DEVICE)[..., :40].transpose(1, 2)
+               .requires_grad_() for _ in range(3))
+    dout = torch.randn(1, 2, 37, 40, generator=g).to(torch.bfloat16).to(DEVICE)
+    ours = _run(lambda q, k, v: backend.attention(q, k, v, causal=True, scale=40**-0.5, policy=resolve("fa2")),
+                q, k, v, dout)
+    _assert_within_twice_the_references_error_against_fp64(ours, q, k, v, dout, seed, None, causal=True)
 
 
 @pytest.mark.parametrize("precision", ["fa2", "paper"])
@@ -1231,17 +1261,21 @@ def test_the_kernels_ops_export_save_and_load_with_the_eager_calls_bits():
 
 def test_only_the_output_carries_a_gradient_and_none_is_zero_filled():
     """The forward op's other outputs (its saved O, log-sum-exp, statistics) take no gradient: an eager
-    forward+backward allocates no zero tensor for theirs (a GPU memset each), and a loss on them alone gives the
-    inputs none. The gradients still match the reference's."""
+    forward+backward (after the first, which tunes) allocates no zero tensor for theirs (a GPU memset each), and a
+    loss on them alone gives the inputs none. The gradients still match the reference's."""
     from stableflash.attention import triton as backend
     from stableflash.attention.triton import ops
     from stableflash.attention.triton.spec import spec_name
 
     q, k, v = _inputs((1, 2, 40, 16))
     dout = torch.randn_like(q)
+
+    def call(q, k, v):
+        return backend.attention(q, k, v, causal=True, scale=0.25, policy=resolve("fa2"))
+
+    _run(call, q, k, v, dout)  # a first call autotunes on a GPU, whose timing runs clear the L2 cache with zero_
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        grads = _run(lambda q, k, v: backend.attention(q, k, v, causal=True, scale=0.25, policy=resolve("fa2")),
-                     q, k, v, dout)
+        grads = _run(call, q, k, v, dout)
     filled = [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zero_", "aten::fill_")]
     assert not filled, filled
     reference = _run(lambda q, k, v: flash_attention(q, k, v, causal=True, scale=0.25, backend="reference",

@@ -84,6 +84,19 @@ def head_offset(bh, H, stride_b, stride_h):
 
 
 @triton.jit
+def row_strides(strides, STRIDE8: tl.constexpr):
+    """A (B, H, T, D) tensor's (batch, head, position) strides. With STRIDE8 (the launcher checked that each is a
+    multiple of 8) they are rebuilt as 8·(s // 8), the same values, from which the compiler proves it: Triton
+    specialises a stride on divisibility by 16 only, and a head dim padded inside the kernels has strides like 40
+    (D = 40 in a model's layout), with which it loads one 16-bit value per thread in another layout than the full
+    head dim's: narrower loads, and row sums (δ) added in another order, so other bits than padding by hand."""
+    b, h, t = strides
+    if STRIDE8:
+        b, h, t = b // 8 * 8, h // 8 * 8, t // 8 * 8
+    return b, h, t
+
+
+@triton.jit
 def kv_head_offset(bh, H, G, stride_b, stride_h):
     """Element offset of the key/value head that query head divmod(bh, H) reads: each serves G query heads
     (grouped-query attention; G = 1 is one per query head)."""

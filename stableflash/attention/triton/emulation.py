@@ -40,6 +40,7 @@ from stableflash.attention.triton.common import (
     mul_rn,
     query_tile_program,
     row_flags,
+    row_strides,
     sfa_max,
     shift,
     store_rows,
@@ -224,7 +225,7 @@ def _attn_fwd(
     R_A1: tl.constexpr, R_A2: tl.constexpr, R_ACC: tl.constexpr, R_L_SAVED: tl.constexpr, R_DIV: tl.constexpr,
     R_OUT: tl.constexpr, R_LSE: tl.constexpr, R_LSE_ADD: tl.constexpr, R_V_OP: tl.constexpr, R_THRESHOLD: tl.constexpr,
     OFFICIAL: tl.constexpr, TAIL_LIMIT: tl.constexpr, MASK: tl.constexpr = False, PAD: tl.constexpr = False,
-    D_IN: tl.constexpr = 0,
+    D_IN: tl.constexpr = 0, STRIDE8: tl.constexpr = False,
 ):
     """O (and, with SAVE_OS, the fp32 O the backward reads for δ into OS) and the natural-unit lse of one query tile.
     `seed`: the call's stochastic rounding seed (unused without it); LM: the logical query tile (read under MASK).
@@ -233,10 +234,10 @@ def _attn_fwd(
     rounded as an operation on m: R_THRESHOLD), on every logical key tile, those that no row of the tile sees
     included (there every score is the mask's -inf, a "repeated maximum" below 0, so m becomes max(m, 0)). With
     STATS, TAIL_LIMIT is `stats.tail_limit` of P̄V's format (0: no row is biasable)."""
-    stride_qb, stride_qh, stride_qt = q_strides
-    stride_kb, stride_kh, stride_kt = k_strides
-    stride_vb, stride_vh, stride_vt = v_strides
-    stride_ob, stride_oh, stride_ot = o_strides
+    stride_qb, stride_qh, stride_qt = row_strides(q_strides, STRIDE8)
+    stride_kb, stride_kh, stride_kt = row_strides(k_strides, STRIDE8)
+    stride_vb, stride_vh, stride_vt = row_strides(v_strides, STRIDE8)
+    stride_ob, stride_oh, stride_ot = row_strides(o_strides, STRIDE8)
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     scale, eps = fp32(scale), fp32(eps)
     pid_m = tl.program_id(0)
@@ -431,14 +432,14 @@ def _attn_bwd_delta_dpp(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr,
     R_P: tl.constexpr, R_DP: tl.constexpr, R_DPP: tl.constexpr, R_TERMS: tl.constexpr, R_DELTA: tl.constexpr,
-    MASK: tl.constexpr = False, PAD: tl.constexpr = False, D_IN: tl.constexpr = 0,
+    MASK: tl.constexpr = False, PAD: tl.constexpr = False, D_IN: tl.constexpr = 0, STRIDE8: tl.constexpr = False,
 ):
     """δ = rowsum(dP ∘ P) (the `dp_p` formula) of one query tile: P and dP recomputed over every visible key,
     summed per logical key tile and added up with the policy's rounding, as the reference does."""
-    stride_qb, stride_qh, stride_qt = q_strides
-    stride_kb, stride_kh, stride_kt = k_strides
-    stride_vb, stride_vh, stride_vt = v_strides
-    stride_dob, stride_doh, stride_dot = do_strides
+    stride_qb, stride_qh, stride_qt = row_strides(q_strides, STRIDE8)
+    stride_kb, stride_kh, stride_kt = row_strides(k_strides, STRIDE8)
+    stride_vb, stride_vh, stride_vt = row_strides(v_strides, STRIDE8)
+    stride_dob, stride_doh, stride_dot = row_strides(do_strides, STRIDE8)
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale = fp32(qk_scale)
     pid_m = tl.program_id(0)
@@ -471,18 +472,18 @@ def _attn_bwd_dq(
     R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr, R_DS_OP: tl.constexpr,
     R_DQ_PART: tl.constexpr, R_DQ: tl.constexpr, MASK: tl.constexpr = False, PAD: tl.constexpr = False,
-    D_IN: tl.constexpr = 0,
+    D_IN: tl.constexpr = 0, STRIDE8: tl.constexpr = False,
 ):
     """dQ of one query tile, each logical key tile's part accumulated in fp32, then rounded and added as the reference
     does. With DELTA_HERE it first computes its rows' δ = rowsum(dO ∘ O) (each product rounded on its own) and
     stores it for the dK/dV kernel; else it reads the δ of the `dp_p` pass. `seed`: the backward's stochastic
     rounding seed (δ's sites; unused without it)."""
-    stride_qb, stride_qh, stride_qt = q_strides
-    stride_kb, stride_kh, stride_kt = k_strides
-    stride_vb, stride_vh, stride_vt = v_strides
-    stride_dob, stride_doh, stride_dot = do_strides
-    stride_ob, stride_oh, stride_ot = o_strides
-    stride_gb, stride_gh, stride_gt = g_strides
+    stride_qb, stride_qh, stride_qt = row_strides(q_strides, STRIDE8)
+    stride_kb, stride_kh, stride_kt = row_strides(k_strides, STRIDE8)
+    stride_vb, stride_vh, stride_vt = row_strides(v_strides, STRIDE8)
+    stride_dob, stride_doh, stride_dot = row_strides(do_strides, STRIDE8)
+    stride_ob, stride_oh, stride_ot = row_strides(o_strides, STRIDE8)
+    stride_gb, stride_gh, stride_gt = row_strides(g_strides, STRIDE8)
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_m = tl.program_id(0)
@@ -526,15 +527,15 @@ def _attn_bwd_dkdv(
     OPS_FP32: tl.constexpr, R_QK: tl.constexpr, R_SCORES: tl.constexpr, R_P_SUB: tl.constexpr, R_P: tl.constexpr,
     R_P_OP: tl.constexpr, R_DP: tl.constexpr, R_DS1: tl.constexpr, R_DS2: tl.constexpr, R_DS: tl.constexpr,
     R_DS_OP: tl.constexpr, R_DV_PART: tl.constexpr, R_DV: tl.constexpr, R_DK_PART: tl.constexpr, R_DK: tl.constexpr,
-    MASK: tl.constexpr = False, PAD: tl.constexpr = False, D_IN: tl.constexpr = 0,
+    MASK: tl.constexpr = False, PAD: tl.constexpr = False, D_IN: tl.constexpr = 0, STRIDE8: tl.constexpr = False,
 ):
     """dK and dV (both with strides `g_strides`) of one key tile: each logical query tile's part accumulated in fp32,
     then rounded and added as the reference does."""
-    stride_qb, stride_qh, stride_qt = q_strides
-    stride_kb, stride_kh, stride_kt = k_strides
-    stride_vb, stride_vh, stride_vt = v_strides
-    stride_dob, stride_doh, stride_dot = do_strides
-    stride_gb, stride_gh, stride_gt = g_strides
+    stride_qb, stride_qh, stride_qt = row_strides(q_strides, STRIDE8)
+    stride_kb, stride_kh, stride_kt = row_strides(k_strides, STRIDE8)
+    stride_vb, stride_vh, stride_vt = row_strides(v_strides, STRIDE8)
+    stride_dob, stride_doh, stride_dot = row_strides(do_strides, STRIDE8)
+    stride_gb, stride_gh, stride_gt = row_strides(g_strides, STRIDE8)
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_n = tl.program_id(0)

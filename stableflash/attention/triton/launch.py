@@ -214,12 +214,18 @@ def _hopper_constants(name: str, head_dim: int, dtype: torch.dtype, causal: bool
     return constants, triton.Config({}, num_warps=tile.warps)
 
 
-def _head_dims(q) -> tuple[int, dict]:
-    """The kernels' head dim for q's, and the switch that pads q's inside the kernels where it is narrower (`D_IN`:
-    columns past it read as 0 and are not stored; absent otherwise, so the picks keep their keys)."""
+def _head_dims(q, *others) -> tuple[int, dict]:
+    """The kernels' head dim for q's, and the switches that pad q's inside the kernels where it is narrower (`D_IN`:
+    columns past it read as 0 and are not stored; `STRIDE8`: every row stride is a multiple of 8, some not of 16,
+    which Triton's own specialisation sees (`common.row_strides`): those of q and `others`, the caller's tensors, and
+    the outputs', laid out from the head dim). Absent otherwise, so the picks keep their keys."""
     d_in = q.shape[-1]
     width = kernel_head_dim(d_in)
-    return width, ({} if width == d_in else {"D_IN": d_in})
+    if width == d_in:
+        return width, {}
+    strides = [s for t in (q, *others) for s in t.stride()[:3]] + [d_in]
+    stride8 = all(s % 8 == 0 for s in strides) and any(s % 16 for s in strides)
+    return width, {"D_IN": d_in, **({"STRIDE8": True} if stride8 else {})}
 
 
 def _check_softcap(softcap: float, spec: KernelSpec) -> None:
@@ -248,7 +254,7 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     _check_softcap(softcap, spec)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, _ = q.shape
-    D, padded = _head_dims(q)
+    D, padded = _head_dims(q, k, v)
     out = empty_in_layout_of(q, spec.out_dtype)
     o_saved = empty_in_layout_of(q, torch.float32) if spec.save_fp32_o else q.new_empty(0, dtype=out.dtype)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -308,7 +314,7 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
     _check_softcap(softcap, spec)
     q, k, v, dout, o_saved = (last_dim_contiguous(t) for t in (q, k, v, dout, o_saved))
     B, H, T, D_IN = q.shape
-    D, padded = _head_dims(q)
+    D, padded = _head_dims(q, k, v, dout, o_saved)
     G, TK = H // k.shape[1], k.shape[-2]
     strides = (_strides(q), _strides(k), _strides(v), _strides(dout))
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)

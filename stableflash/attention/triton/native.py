@@ -43,6 +43,7 @@ from stableflash.attention.triton.common import (
     query_tags,
     query_tile_program,
     row_flags,
+    row_strides,
     scores,
     sfa_max,
     shift,
@@ -160,14 +161,14 @@ def _attn_fwd(
     STAB: tl.constexpr, STATS: tl.constexpr, BETA: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
     BOUNDED: tl.constexpr, CLAMP_CEIL: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    D_IN: tl.constexpr = 0,
+    D_IN: tl.constexpr = 0, STRIDE8: tl.constexpr = False,
 ):
     """O and the base-2 lse of one query tile; `scale` and `eps` in base-2 units (`scale` natural under SOFTCAP).
     D_IN: the inputs' head dim where it is below HEAD_DIM, padded in the kernel (0: HEAD_DIM)."""
-    stride_qb, stride_qh, stride_qt = q_strides
-    stride_kb, stride_kh, stride_kt = k_strides
-    stride_vb, stride_vh, stride_vt = v_strides
-    stride_ob, stride_oh, stride_ot = o_strides
+    stride_qb, stride_qh, stride_qt = row_strides(q_strides, STRIDE8)
+    stride_kb, stride_kh, stride_kt = row_strides(k_strides, STRIDE8)
+    stride_vb, stride_vh, stride_vt = row_strides(v_strides, STRIDE8)
+    stride_ob, stride_oh, stride_ot = row_strides(o_strides, STRIDE8)
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     scale, eps, softcap = fp32(scale), fp32(eps), fp32(softcap)
     if HEADS_FIRST:  # grid (heads, query tiles), every head's heaviest causal tile first (SFA: measured faster)
@@ -294,16 +295,16 @@ def _attn_bwd_dq(
     qk_scale, scale, band, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    D_IN: tl.constexpr = 0,
+    D_IN: tl.constexpr = 0, STRIDE8: tl.constexpr = False,
 ):
     """dQ (strides `g_strides`) of one query tile, over the key tiles it sees. It first computes its rows'
     δ = rowsum(dO ∘ O) and stores it for the dK/dV kernel, launched after it: one launch fewer than a δ pass."""
-    stride_qb, stride_qh, stride_qt = q_strides
-    stride_kb, stride_kh, stride_kt = k_strides
-    stride_vb, stride_vh, stride_vt = v_strides
-    stride_dob, stride_doh, stride_dot = do_strides
-    stride_ob, stride_oh, stride_ot = o_strides
-    stride_gb, stride_gh, stride_gt = g_strides
+    stride_qb, stride_qh, stride_qt = row_strides(q_strides, STRIDE8)
+    stride_kb, stride_kh, stride_kt = row_strides(k_strides, STRIDE8)
+    stride_vb, stride_vh, stride_vt = row_strides(v_strides, STRIDE8)
+    stride_dob, stride_doh, stride_dot = row_strides(do_strides, STRIDE8)
+    stride_ob, stride_oh, stride_ot = row_strides(o_strides, STRIDE8)
+    stride_gb, stride_gh, stride_gt = row_strides(g_strides, STRIDE8)
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
     pid_m = tl.program_id(0)
@@ -443,10 +444,10 @@ def _dkdv_tiles(k, v, dk, dv, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, first, l
 
 @triton.jit
 def _attn_bwd_delta(O, DO, DELTA, o_strides, do_strides, H, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    D_IN: tl.constexpr = 0):
+                    D_IN: tl.constexpr = 0, STRIDE8: tl.constexpr = False):
     """δ = rowsum(dO ∘ O) of one query tile, fp32, where the dQ kernel does not run to write it (ATOMIC_DQ)."""
-    stride_ob, stride_oh, stride_ot = o_strides
-    stride_dob, stride_doh, stride_dot = do_strides
+    stride_ob, stride_oh, stride_ot = row_strides(o_strides, STRIDE8)
+    stride_dob, stride_doh, stride_dot = row_strides(do_strides, STRIDE8)
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM, D_IN)
@@ -461,6 +462,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, GROUP: tl.constexpr = 1, SEG: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False, D_IN: tl.constexpr = 0,
+    STRIDE8: tl.constexpr = False,
 ):
     """dK and dV (both with strides `g_strides`) of one key tile, over the query tiles that see it. With GROUP > 1
     (grouped-query attention, GROUP = G) a program serves one key/value head and sums its group's query heads in
@@ -469,11 +471,11 @@ def _attn_bwd_dkdv(
     B·H) (GQA with `group_sum_in_program` off, or under emulation: summed over each group by the launcher).
     ATOMIC_DQ (`KernelOptions.atomic_dq`): each program also adds its key tile's share of dQ / scale into the fp32
     DQ_ACC with atomics (FA2's backward, without the dQ kernel; δ from `_attn_bwd_delta`), in no fixed order."""
-    stride_qb, stride_qh, stride_qt = q_strides
-    stride_kb, stride_kh, stride_kt = k_strides
-    stride_vb, stride_vh, stride_vt = v_strides
-    stride_dob, stride_doh, stride_dot = do_strides
-    stride_gb, stride_gh, stride_gt = g_strides
+    stride_qb, stride_qh, stride_qt = row_strides(q_strides, STRIDE8)
+    stride_kb, stride_kh, stride_kt = row_strides(k_strides, STRIDE8)
+    stride_vb, stride_vh, stride_vt = row_strides(v_strides, STRIDE8)
+    stride_dob, stride_doh, stride_dot = row_strides(do_strides, STRIDE8)
+    stride_gb, stride_gh, stride_gt = row_strides(g_strides, STRIDE8)
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
     pid_n = tl.program_id(1) if GROUP > 1 else tl.program_id(0)

@@ -103,7 +103,8 @@ class Tunable(NamedTuple):
 # tuned for itself rather than reusing the plain launch's pick: a band or padding changes which tiles are visited,
 # and a grouped dK/dV program does its group's work (a quarter of the programs with 4 query heads per key/value head).
 BAND_SWITCHES = ("MASK", "PAD", "SEG")
-SHAPE_SWITCHES = (*BAND_SWITCHES, "D_IN")  # and a head dim padded inside the kernels (masked loads and stores)
+SHAPE_SWITCHES = (*BAND_SWITCHES, "D_IN", "STRIDE8")  # and a head dim padded inside the kernels (masked loads and
+# stores; with strides known to be multiples of 8, wider ones)
 NATIVE_FWD = Tunable.of("attn_fwd", native._attn_fwd, FWD_CONFIGS,
                         ("T", "HEAD_DIM", "CAUSAL", "STAB", "STATS", *SHAPE_SWITCHES), restore=("STAT_COUNTS",),
                         wide_configs=WIDE_FWD_CONFIGS)
