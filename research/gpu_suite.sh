@@ -2,7 +2,7 @@
 # The GPU test suite and the attention benchmark in one go; every output lands in OUTDIR.
 # The tests run on 10 pytest-xdist workers (installed on the GPU image) to spread the kernel compiles (16 CPU cores).
 #   research/gpu_suite.sh OUTDIR [tests|tests-emulation|tests-rest|bench|train|profile|agreement|cost|narrow|gqa|masked|hf|
-#                                 decode|atomic-dq|breakdown|heads|host|host-profile|padded|sweep]...
+#                                 decode|atomic-dq|breakdown|heads|host|host-profile|padded|d40|sweep]...
 #   (default: tests bench)
 # train: the compiled training step's throughput, sdpa against our kernels, six interleaved rounds
 # profile: a profile of the compiled training step
@@ -21,6 +21,8 @@
 #   `git archive` of another commit's stableflash/, carried), that tree's in the same call (research/eager_host.py)
 # host-profile: where that call's host time goes: per part of the eager path (--sections) and cProfile (--profile)
 # padded: the kernel tests of head dims padded inside the kernels alone (a quick check after changing them)
+# d40: D = 40 (strides Triton cannot prove divisible by 16) against D = 64, from a graph, this tree's kernels and, with
+#   BEFORE=DIR (a `git archive` of another commit's stableflash/, carried), that tree's in the same call
 # sweep: the random differential sweep of the public calls against a dense fp64 softmax (research/attention_sweep.py),
 #   SWEEP_S seconds (default 240) of fresh cases from SWEEP_SEED (default 0)
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
@@ -92,6 +94,10 @@ for part in $parts; do
     padded) python3 -m pytest -n 14 -m gpu -v --tb=short -rfE --timeout 300 -p no:cacheprovider \
               tests/attention/test_triton.py -k "padded or padding_inside or zero_padded" > "$out/padded-tests.log" 2>&1
             status=$((status | $?)); tail -3 "$out/padded-tests.log" ;;
+    d40) d40() { python3 benchmarks/attention.py --impls stableflash,stableflash-sfa,sdpa-cudnn --modes fwdbwd_graph \
+                   --shapes "4,32,2048,40;4,32,2048,64" --out "$1" 2>&1 | grep -v Warning | tee -a "$out/attention-d40.log"; }
+         d40 "$out/attention-d40.json"
+         [ -n "${BEFORE:-}" ] && PYTHONPATH=$BEFORE:$PYTHONPATH d40 "$out/attention-d40-before.json" ;;
     sweep) python3 research/attention_sweep.py --device cuda --budget-s "${SWEEP_S:-240}" --seed "${SWEEP_SEED:-0}" \
              --cases 1000000 --out "$out/attention-sweep.json" 2>&1 | grep -v Warning | tail -40 \
              | tee "$out/attention-sweep.log"; status=$((status | PIPESTATUS[0])) ;;
