@@ -2,7 +2,9 @@
 how many of them passed, failed, errored or were skipped, over every shard run so far, and the worker-seconds they
 took (pytest's time per case, summed): where the file's time goes, and how long the shards left would take. Where a
 shard wrote `compiles.jsonl` (its cases' Triton compiles), also the seconds spent compiling: what a warm Triton cache
-would save.
+would save; and, where it lists each compile, how many distinct kernels were built (by Triton's cache key) and, per
+kernel, the runtime arguments whose specialisation (divisible by 16, equal to 1) differs between its builds: what
+multiplies the compiles.
 
 Each shard is one `research/flash_attn_tests.sh` output folder (its `cases.json` and `flash-attn-tests.xml`), run
 with the same SAMPLE N, the same SHARD_BY and its own SHARD K. A shard run twice counts once (its later run);
@@ -80,12 +82,30 @@ def ledger(folders: list[Path]) -> dict:
     done = sum(sum(f[o] for o in OUTCOMES) for f in functions.values())
     left = sum((f["in_scope"] - sum(f[o] for o in OUTCOMES)) * seconds[name] / max(1, sum(f[o] for o in OUTCOMES))
                for name, f in functions.items() if sum(f[o] for o in OUTCOMES))
+    kernels = _kernels(record for shard in shards.values() for record in shard["compiles"].values())
     return {"sample_one_in": sample, "shards_run": sorted(shards), "shards_left": sorted(set(range(sample)) - set(shards)),
             "in_scope": sum(in_scope.values()), "reported": done,
             "totals": {o: sum(f[o] for f in functions.values()) for o in OUTCOMES},
             "worker_seconds": round(sum(seconds.values()), 3),
             "compile_seconds": round(sum(f["compile_seconds"] for f in functions.values()), 3),
-            "worker_seconds_left": round(left, 3), "functions": functions}
+            "worker_seconds_left": round(left, 3), "functions": functions, "kernels": kernels}
+
+
+def _kernels(records) -> dict:
+    """Per kernel name: its compiles, its distinct builds (cache keys: a build compiled by several workers before
+    the disk cache held it counts once), and for each specialised argument in how many of the distinct builds it was
+    so, listed where that is neither none nor all of them."""
+    builds, specialised = Counter(), defaultdict(dict)
+    for record in records:
+        for kernel in record.get("kernels", ()):
+            builds[kernel["kernel"]] += 1
+            specialised[kernel["kernel"]][kernel["key"]] = kernel["specialisation"]
+    result = {}
+    for name, keys in specialised.items():
+        counts = Counter(label for labels in keys.values() for label in labels)
+        result[name] = {"compiles": builds[name], "distinct": len(keys),
+                        "varying": {label: n for label, n in sorted(counts.items()) if n < len(keys)}}
+    return result
 
 
 def main() -> None:
@@ -106,6 +126,9 @@ def main() -> None:
           f"{result['worker_seconds_left']:.0f} (functions with no case reported yet not counted)")
     print(f"of the worker-seconds, compiling Triton kernels: {result['compile_seconds']:.0f} (where the shards wrote "
           "compiles.jsonl)")
+    for name, row in sorted(result["kernels"].items()):
+        varying = ", ".join(f"{label} in {n}" for label, n in row["varying"].items())
+        print(f"{name}: {row['compiles']} compiles, {row['distinct']} distinct; specialised in some: {varying or '-'}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -26,6 +26,8 @@ autotuning each of the file's many shapes (`KernelOptions.autotune`): the cases 
 `--upstream-compiles FILE` appends one JSON line per case that made Triton build a kernel: how many it compiled and
 the seconds that took, and how many it loaded from Triton's on-disk cache (Triton's `knobs.compilation.listener`).
 With the cases' times (the junit report) this says how much of a run is compiling, which a warm cache would save.
+Each compile is listed too (`kernels`): the kernel's name, its cache key, and the runtime arguments Triton
+specialised it on (`specialisation`), so that a ledger can count the distinct kernels and say what multiplies them.
 """
 
 import json
@@ -41,6 +43,7 @@ CONTEXT_LOST = ("illegal memory access", "illegal address", "unspecified launch 
 _failures_path = None  # `--upstream-failures`, read at configure time (a report hook gets no config)
 _controller = False  # pytest-xdist's controller: its workers record their own failures, it records their crashes
 _builds = Counter()  # this process's Triton builds during the running case: compiled, loaded, compile_us
+_built = []  # the kernels it compiled during the running case (`_kernel_record`)
 
 
 def pytest_addoption(parser):
@@ -146,17 +149,38 @@ def _count_build(*, src, metadata, metadata_group, times, cache_hit):
     else:
         _builds["compiled"] += 1
         _builds["compile_us"] += times.total
+        _built.append(_kernel_record(src))
+
+
+def specialisation(src) -> list[str]:
+    """The runtime arguments Triton specialised a build on, as `name%16` (divisible by 16) or `name=1`, a tuple's
+    elements as `name[i]`; the kernel's declared constexprs are left out (the launch's choice, not Triton's)."""
+    fn = src.fn
+
+    def label(path):
+        return fn.arg_names[path[0]] + "".join(f"[{i}]" for i in path[1:])
+
+    declared = {i for i, p in enumerate(fn.params) if p.is_constexpr}
+    ones = [f"{label(path)}=1" for path, value in src.constants.items() if path[0] not in declared and value == 1]
+    divisible = [f"{label(path)}%16" for path, attributes in src.attrs.items()
+                 if ["tt.divisibility", 16] in [list(a) for a in attributes]]
+    return sorted(ones + divisible)
+
+
+def _kernel_record(src) -> dict:
+    return {"kernel": src.name, "key": src.hash()[:16], "specialisation": specialisation(src)}
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _builds.clear()
+    _built.clear()
     yield
     path = item.config.getoption("--upstream-compiles")
     if path and _builds:
         with open(path, "a") as f:
             f.write(json.dumps({"case": item.nodeid, "compiled": _builds["compiled"], "loaded": _builds["loaded"],
-                                "compile_s": round(_builds["compile_us"] / 1e6, 3)}) + "\n")
+                                "compile_s": round(_builds["compile_us"] / 1e6, 3), "kernels": _built}) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

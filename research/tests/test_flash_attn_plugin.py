@@ -209,11 +209,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 @triton.jit
-def _copy(X, Y):
-    tl.store(Y, tl.load(X))
+def _copy(X, Y, n, m, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs * m, tl.load(X + offs, mask=offs < n), mask=offs < n)
 
-def _build():
-    source = ASTSource(_copy, signature={"X": "*fp32", "Y": "*fp32"}, constexprs={})
+def _build():  # as a launch with n divisible by 16 and m = 1 specialises it
+    source = ASTSource(_copy, signature={"X": "*fp32", "Y": "*fp32", "n": "i32", "m": "constexpr", "BLOCK": "constexpr"},
+                       constexprs={"m": 1, "BLOCK": 16}, attrs={(2,): [["tt.divisibility", 16]]})
     triton.compile(source, target=GPUTarget("cuda", 90, 32))
 
 def test_a_compiles():
@@ -239,6 +241,9 @@ def test_each_cases_triton_compiles_are_recorded(tmp_path):
     assert sorted(records) == ["test_a_compiles", "test_b_loads_it"]
     assert records["test_a_compiles"]["compiled"] == 1 and records["test_a_compiles"]["compile_s"] > 0
     assert records["test_b_loads_it"]["compiled"] == 0 and records["test_b_loads_it"]["loaded"] == 1
+    [kernel] = records["test_a_compiles"]["kernels"]
+    assert kernel["kernel"] == "_copy" and kernel["specialisation"] == ["m=1", "n%16"] and len(kernel["key"]) == 16
+    assert records["test_b_loads_it"]["kernels"] == []
 
 
 def test_the_ledger_adds_up_the_compile_time(tmp_path):
@@ -256,3 +261,25 @@ def test_the_ledger_adds_up_the_compile_time(tmp_path):
     row = result["functions"]["test_output"]
     assert (row["compiled"], row["loaded"], row["compile_seconds"]) == (2, 1, 2.5)
     assert result["compile_seconds"] == 2.5 and result["worker_seconds"] == 6.0
+
+
+def test_the_ledger_counts_distinct_kernels_and_what_varies_between_them(tmp_path):
+    """Two workers building one kernel count as one distinct build; an argument specialised in some builds of a
+    kernel but not all is named with how many, one specialised in all of them is not."""
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_ledger import ledger
+
+    (tmp_path / "cases.json").write_text(json.dumps({"sample_one_in": 1, "shard": 0, "functions": {
+        "test_output": {"in_scope": 3}}}))
+    (tmp_path / "flash-attn-tests.xml").write_text("<testsuites><testsuite>" + "".join(
+        f"<testcase classname='tests.test_flash_attn' name='test_output[{n}]' time='1.0'/>" for n in range(3))
+        + "</testsuite></testsuites>")
+    fwd = [{"kernel": "fwd", "key": "a", "specialisation": ["T%16", "stride%16"]},
+           {"kernel": "fwd", "key": "b", "specialisation": ["stride%16"]}]
+    builds = [[fwd[0]], [fwd[0]], [fwd[1], {"kernel": "dq", "key": "c", "specialisation": ["T%16"]}]]
+    (tmp_path / "compiles.jsonl").write_text("".join(json.dumps(
+        {"case": f"tests/test_flash_attn.py::test_output[{n}]", "compiled": len(k), "loaded": 0, "compile_s": 1.0,
+         "kernels": k}) + "\n" for n, k in enumerate(builds)))
+    kernels = ledger([tmp_path])["kernels"]
+    assert kernels["fwd"] == {"compiles": 3, "distinct": 2, "varying": {"T%16": 1}}
+    assert kernels["dq"] == {"compiles": 1, "distinct": 1, "varying": {}}

@@ -216,9 +216,10 @@ def _hopper_constants(name: str, head_dim: int, dtype: torch.dtype, causal: bool
 
 def _head_dims(q, *others) -> tuple[int, dict]:
     """The kernels' head dim for q's, and the switches that pad q's inside the kernels where it is narrower (`D_IN`:
-    columns past it read as 0 and are not stored; `STRIDE8`: every row stride is a multiple of 8, some not of 16,
-    which Triton's own specialisation sees (`common.row_strides`): those of q and `others`, the caller's tensors, and
-    the outputs', laid out from the head dim). Absent otherwise, so the picks keep their keys."""
+    columns past it read as 0 and are not stored; `STRIDE8`: every row stride is a multiple of 8 though some is not
+    of 16, the only divisibility Triton's own specialisation proves (`common.row_strides`): those of q and `others`,
+    the caller's tensors, and the outputs', laid out from the head dim). Absent otherwise, so the picks keep their
+    keys."""
     d_in = q.shape[-1]
     width = kernel_head_dim(d_in)
     if width == d_in:
