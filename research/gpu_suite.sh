@@ -92,7 +92,7 @@ for part in $parts; do
                     python3 research/eager_host.py --out "$out/unused.json" --profile 300; } 2>&1 | grep -v Warning \
                     | tee "$out/eager-host-profile.log" ;;
     padded) python3 -m pytest -n 14 -m gpu -v --tb=short -rfE --timeout 300 -p no:cacheprovider \
-              tests/attention/test_triton.py -k "padded or padding_inside or zero_padded" > "$out/padded-tests.log" 2>&1
+              tests/attention/test_triton.py -k "padded or padding_inside or zero_padded or stride8" > "$out/padded-tests.log" 2>&1
             status=$((status | $?)); tail -3 "$out/padded-tests.log" ;;
     d40) d40() { python3 benchmarks/attention.py --impls stableflash,stableflash-sfa,sdpa-cudnn --modes fwdbwd_graph \
                    --shapes "4,32,2048,40;4,32,2048,64" --out "$1" 2>&1 | grep -v Warning | tee -a "$out/attention-d40.log"; }
