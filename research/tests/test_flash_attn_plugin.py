@@ -145,17 +145,24 @@ def test_the_ledger_adds_up_the_shards(tmp_path):
         ledger(folders[:2])
 
 
+def _shard_folder(folder, sample: int, in_scope: dict, cases: list[tuple[str, float, str]], compiles=()):
+    """A shard's output folder as `research/flash_attn_tests.sh` writes it: `cases.json` (shard 0 of one in
+    `sample`), the junit report of `cases` ((name, seconds, the testcase element's body)) and `compiles.jsonl`."""
+    (folder / "cases.json").write_text(json.dumps({"sample_one_in": sample, "shard": 0, "functions": {
+        name: {"in_scope": n} for name, n in in_scope.items()}}))
+    (folder / "flash-attn-tests.xml").write_text("<testsuites><testsuite>" + "".join(
+        f"<testcase classname='tests.test_flash_attn' name='{n}' time='{t}'>{body}</testcase>" for n, t, body in cases)
+        + "</testsuite></testsuites>")
+    (folder / "compiles.jsonl").write_text("".join(json.dumps(record) + "\n" for record in compiles))
+
+
 def test_the_ledger_projects_the_time_of_the_cases_left(tmp_path):
     """Each function's cases left at its mean time per reported case; a function with none reported is not guessed."""
     sys.path.insert(0, str(SHIM.parent))
     from flash_attn_ledger import ledger
 
-    (tmp_path / "cases.json").write_text(json.dumps({"sample_one_in": 2, "shard": 0, "functions": {
-        "test_output": {"in_scope": 5}, "test_kvcache": {"in_scope": 3}}}))
-    cases = [("test_output[0]", "1.5", ""), ("test_output[1]", "2.5", "<failure message='x'/>")]
-    (tmp_path / "flash-attn-tests.xml").write_text("<testsuites><testsuite>" + "".join(
-        f"<testcase classname='tests.test_flash_attn' name='{n}' time='{t}'>{body}</testcase>" for n, t, body in cases)
-        + "</testsuite></testsuites>")
+    _shard_folder(tmp_path, 2, {"test_output": 5, "test_kvcache": 3},
+                  [("test_output[0]", 1.5, ""), ("test_output[1]", 2.5, "<failure message='x'/>")])
     result = ledger([tmp_path])
     assert result["functions"]["test_output"]["worker_seconds"] == 4.0
     assert result["worker_seconds"] == 4.0 and result["worker_seconds_left"] == 3 * 2.0
@@ -250,13 +257,8 @@ def test_the_ledger_adds_up_the_compile_time(tmp_path):
     sys.path.insert(0, str(SHIM.parent))
     from flash_attn_ledger import ledger
 
-    (tmp_path / "cases.json").write_text(json.dumps({"sample_one_in": 1, "shard": 0, "functions": {
-        "test_output": {"in_scope": 2}}}))
-    (tmp_path / "flash-attn-tests.xml").write_text("<testsuites><testsuite>" + "".join(
-        f"<testcase classname='tests.test_flash_attn' name='test_output[{n}]' time='3.0'/>" for n in range(2))
-        + "</testsuite></testsuites>")
-    (tmp_path / "compiles.jsonl").write_text(json.dumps(
-        {"case": "tests/test_flash_attn.py::test_output[0]", "compiled": 2, "loaded": 1, "compile_s": 2.5}) + "\n")
+    _shard_folder(tmp_path, 1, {"test_output": 2}, [(f"test_output[{n}]", 3.0, "") for n in range(2)],
+                  [{"case": "tests/test_flash_attn.py::test_output[0]", "compiled": 2, "loaded": 1, "compile_s": 2.5}])
     result = ledger([tmp_path])
     row = result["functions"]["test_output"]
     assert (row["compiled"], row["loaded"], row["compile_seconds"]) == (2, 1, 2.5)
@@ -269,17 +271,12 @@ def test_the_ledger_counts_distinct_kernels_and_what_varies_between_them(tmp_pat
     sys.path.insert(0, str(SHIM.parent))
     from flash_attn_ledger import ledger
 
-    (tmp_path / "cases.json").write_text(json.dumps({"sample_one_in": 1, "shard": 0, "functions": {
-        "test_output": {"in_scope": 3}}}))
-    (tmp_path / "flash-attn-tests.xml").write_text("<testsuites><testsuite>" + "".join(
-        f"<testcase classname='tests.test_flash_attn' name='test_output[{n}]' time='1.0'/>" for n in range(3))
-        + "</testsuite></testsuites>")
     fwd = [{"kernel": "fwd", "key": "a", "specialisation": ["T%16", "stride%16"]},
            {"kernel": "fwd", "key": "b", "specialisation": ["stride%16"]}]
     builds = [[fwd[0]], [fwd[0]], [fwd[1], {"kernel": "dq", "key": "c", "specialisation": ["T%16"]}]]
-    (tmp_path / "compiles.jsonl").write_text("".join(json.dumps(
-        {"case": f"tests/test_flash_attn.py::test_output[{n}]", "compiled": len(k), "loaded": 0, "compile_s": 1.0,
-         "kernels": k}) + "\n" for n, k in enumerate(builds)))
+    _shard_folder(tmp_path, 1, {"test_output": 3}, [(f"test_output[{n}]", 1.0, "") for n in range(3)],
+                  [{"case": f"tests/test_flash_attn.py::test_output[{n}]", "compiled": len(k), "loaded": 0,
+                    "compile_s": 1.0, "kernels": k} for n, k in enumerate(builds)])
     kernels = ledger([tmp_path])["kernels"]
     assert kernels["fwd"] == {"compiles": 3, "distinct": 2, "varying": {"T%16": 1}}
     assert kernels["dq"] == {"compiles": 1, "distinct": 1, "varying": {}}
