@@ -25,6 +25,8 @@
 #   BEFORE=DIR (a `git archive` of another commit's stableflash/, carried), that tree's in the same call
 # sweep: the random differential sweep of the public calls against a dense fp64 softmax (research/attention_sweep.py),
 #   SWEEP_S seconds (default 240) of fresh cases from SWEEP_SEED (default 0)
+# The test parts also write each failure as it happens to OUTDIR/<part>-failures.jsonl (tests/conftest.py): a call's
+# time limit can cut pytest before its report.
 # On the lent GPU the copy's git metadata can be stale: pass STABLEFLASH_COMMIT=<hash> so the JSON names the tree.
 set -u
 out=${1:?usage: research/gpu_suite.sh OUTDIR [tests|bench|train]...}
@@ -36,14 +38,15 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 status=0
 for part in $parts; do
   case $part in
-    tests) python3 -m pytest -n 10 -m gpu -q -rs -p no:cacheprovider tests/ --junitxml "$out/gpu-tests.xml" \
+    tests) STABLEFLASH_FAILURES="$out/gpu-tests-failures.jsonl" python3 -m pytest -n 10 -m gpu -q -rs -p no:cacheprovider tests/ --junitxml "$out/gpu-tests.xml" \
              2>&1 | tee "$out/gpu-tests.log" | tail -25; status=$((status | PIPESTATUS[0])) ;;
     # the suite in two halves of ~5 minutes each on 16 workers, for calls of at most 10 minutes; -v names each
     # result as it comes (a call cut short still says which passed), --timeout a hung test
     tests-emulation|tests-rest)
       select="emulation or rounding or narrow or stochastic"
       [ "$part" = tests-rest ] && select="not ($select)"
-      python3 -m pytest -n 16 -m gpu -v --tb=short -rfE --timeout 300 -p no:cacheprovider tests/ -k "$select" \
+      STABLEFLASH_FAILURES="$out/$part-failures.jsonl" python3 -m pytest -n 16 -m gpu -v --tb=short -rfE --timeout 300 \
+        -p no:cacheprovider tests/ -k "$select" \
         --junitxml "$out/$part.xml" > "$out/$part.log" 2>&1; status=$((status | $?))
       grep -E "(PASSED|FAILED|ERROR) tests" "$out/$part.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' \
         | cut -d' ' -f1 | sort | uniq -c; tail -3 "$out/$part.log" ;;
@@ -91,7 +94,7 @@ for part in $parts; do
     host-profile) { python3 research/eager_host.py --out "$out/unused.json" --sections 200
                     python3 research/eager_host.py --out "$out/unused.json" --profile 300; } 2>&1 | grep -v Warning \
                     | tee "$out/eager-host-profile.log" ;;
-    padded) python3 -m pytest -n 14 -m gpu -v --tb=short -rfE --timeout 300 -p no:cacheprovider \
+    padded) STABLEFLASH_FAILURES="$out/padded-failures.jsonl" python3 -m pytest -n 14 -m gpu -v --tb=short -rfE --timeout 300 -p no:cacheprovider \
               tests/attention/test_triton.py -k "padded or padding_inside or zero_padded or stride8" > "$out/padded-tests.log" 2>&1
             status=$((status | $?)); tail -3 "$out/padded-tests.log" ;;
     d40) d40() { python3 benchmarks/attention.py --impls stableflash,stableflash-sfa,sdpa-cudnn --modes fwdbwd_graph \

@@ -1,6 +1,11 @@
 """Test configuration. Without a CUDA GPU the kernel tests run on the CPU under Triton's interpreter: it must be on
-before Triton defines a kernel, so it is set here, before any test module imports the package."""
+before Triton defines a kernel, so it is set here, before any test module imports the package.
 
+With STABLEFLASH_FAILURES=FILE each failure is appended to FILE as one JSON line (its test, phase and error) as it
+happens: a run cut short by a time limit (the GPU suite's calls) still says why each failed test failed, where
+pytest's own report comes only at the end."""
+
+import json
 import os
 
 import torch
@@ -28,3 +33,19 @@ def tiny(data_dir):
     def make(*overrides):
         return load_config("tiny-cpu", [f"data.data_dir={data_dir}", "run.progress=false", *overrides])
     return make
+
+
+_failures_file = None  # STABLEFLASH_FAILURES, in the process that runs the tests (an xdist worker, or pytest alone)
+
+
+def pytest_configure(config):
+    global _failures_file
+    distributing = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+    _failures_file = None if distributing else os.environ.get("STABLEFLASH_FAILURES")
+
+
+def pytest_runtest_logreport(report):
+    if _failures_file and report.failed:
+        with open(_failures_file, "a") as f:
+            f.write(json.dumps({"test": report.nodeid, "when": report.when, "error": str(report.longrepr)[-4000:]})
+                    + "\n")
