@@ -7,8 +7,9 @@ kernel, the runtime arguments whose specialisation (divisible by 16, equal to 1)
 multiplies the compiles.
 
 Each shard is one `research/flash_attn_tests.sh` output folder (its `cases.json` and `flash-attn-tests.xml`), run
-with the same SAMPLE N, the same SHARD_BY and its own SHARD K. A shard run twice counts once (its later run);
-shards of another N or another SHARD_BY are refused, since they would overlap.
+with the same SAMPLE N, the same SHARD_BY and its own SHARD K. A shard's runs add up, in the order given: a resumed
+run (RESUME) reports the cases its earlier runs did not, and a case reported by several runs counts once, as the
+last of them reported it. Shards of another N or another SHARD_BY are refused, since they would overlap.
 
     python research/flash_attn_ledger.py OUT/shard-0 OUT/shard-1 ... --out results/drop-ins/flash-attn-ledger.json
 """
@@ -17,36 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import xml.etree.ElementTree as ElementTree
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from flash_attn_shim.shard_reports import read_shard
 
 OUTCOMES = ("passed", "failed", "error", "skipped")
 
 
-def _outcome(case: ElementTree.Element) -> str:
-    for child, outcome in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
-        if case.find(child) is not None:
-            return outcome
-    return "passed"
-
-
-def read_shard(folder: Path) -> dict:
-    """One shard's sample size, shard number, cases in scope per function and outcome per case id."""
-    cases = json.loads((folder / "cases.json").read_text())
-    outcomes, seconds = {}, {}
-    for case in ElementTree.parse(folder / "flash-attn-tests.xml").iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
-        outcomes[name] = _outcome(case)
-        seconds[name] = float(case.get("time", 0.0))
-    compiles = {}
-    if (folder / "compiles.jsonl").exists():
-        for line in (folder / "compiles.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            compiles[record["case"]] = record
-    return {"sample": cases["sample_one_in"], "shard": cases.get("shard", 0), "shard_by": cases.get("shard_by"),
-            "in_scope": {name: counts["in_scope"] for name, counts in cases["functions"].items()},
-            "outcomes": outcomes, "seconds": seconds, "compiles": compiles}
+def _added(earlier: dict, later: dict) -> dict:
+    """Two runs of one shard as one: each case as the later run reported it, else as the earlier did."""
+    return {**later, **{part: {**earlier[part], **later[part]} for part in ("outcomes", "seconds", "compiles")}}
 
 
 def ledger(folders: list[Path]) -> dict:
@@ -60,7 +42,9 @@ def ledger(folders: list[Path]) -> dict:
         if shard["shard_by"] != first["shard_by"]:
             raise ValueError(f"{folder}: shards by {shard['shard_by'] or 'hash'} do not partition with the others' "
                              f"by {first['shard_by'] or 'hash'}")
-        shards[shard["shard"]] = shard  # a shard run again: its later run counts
+        if shard["shard"] in shards:
+            shard = _added(shards[shard["shard"]], shard)
+        shards[shard["shard"]] = shard
     if not shards:
         raise ValueError("folders: expected at least one shard's output folder")
     in_scope = next(iter(shards.values()))["in_scope"]

@@ -10,6 +10,10 @@
 # (research/flash_attn_ledger.py adds up what the shards run so far have covered). SHARD_BY=d,dtype deals whole groups
 # of cases sharing those parameters to the shards instead, so that each shard compiles its own kernels only.
 # The kernels launch at fixed tiles, untuned (TILES=tuned: autotune each shape, as a user's first call does).
+# RESUME="DIR..." (earlier runs' output folders of the same shard) leaves out the cases they reported, so that a shard
+# cut short by its call's limit goes on where it stopped (research/flash_attn_ledger.py adds a shard's runs up).
+# The rootdir is fixed at the current folder: shards by hash hash the cases' node ids, which pytest writes relative to
+# it, and pytest would otherwise move it to hold every existing path among the arguments (a RESUME folder's, say).
 # LIMIT_S=S interrupts pytest after S seconds as Ctrl-C would, so that a run cut short still writes its junit XML (each
 # case's outcome and time, what research/flash_attn_ledger.py reads): set it below the call's own limit.
 #   research/flash_attn_tests.sh REPO OUT [SAMPLE [PYTEST_ARGS...]]   (WORKERS: pytest-xdist workers, default 16;
@@ -21,11 +25,14 @@ sample=${3:-1}
 shift $(($# < 3 ? $# : 3))
 mkdir -p "$out"
 export FLASH_ATTN_REPO=$(cd "$repo" && pwd)
+resume=()
+for folder in ${RESUME:-}; do resume+=(--upstream-resume "$(cd "$folder" && pwd)"); done
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
 ${LIMIT_S:+timeout -s INT -k 60 $LIMIT_S} python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
+  --rootdir "$PWD" \
   -n "${WORKERS:-16}" --max-worker-restart 256 -v -rf --tb=line --timeout 300 --durations 40 \
   --upstream-sample "$sample" \
-  --upstream-shard "${SHARD:-0}" ${SHARD_BY:+--upstream-shard-by "$SHARD_BY"} \
+  --upstream-shard "${SHARD:-0}" ${SHARD_BY:+--upstream-shard-by "$SHARD_BY"} ${resume[@]+"${resume[@]}"} \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
   --upstream-compiles "$out/compiles.jsonl" \
   --junitxml "$out/flash-attn-tests.xml" $([ "${TILES:-fixed}" = fixed ] && echo --upstream-fixed-tiles) "$@" > "$out/flash-attn-tests.log" 2>&1

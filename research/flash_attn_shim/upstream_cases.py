@@ -6,7 +6,8 @@ Deselected, each counted in the summary line pytest prints:
 - tests of flash-attn's compiled extension's private entry points (`_flash_attn_varlen_forward`,
   `flash_attn_gpu.fwd`), which are not part of its Python API;
 - with `--upstream-sample N`, all but one case in N of each test function, picked by a hash of the case's id (the
-  same cases on every run), where the function has more than `--upstream-whole` cases in scope (those run whole).
+  same cases on every run whose rootdir is the same: pytest writes the id relative to it), where the function has
+  more than `--upstream-whole` cases in scope (those run whole).
   `--upstream-shard K` (0 <= K < N) picks the cases whose hash leaves K: shards 0 to N - 1 partition every case in
   scope (the small functions run whole in shard 0), so runs of successive shards cover the file between them.
 - with `--upstream-shard-by d,dtype` as well, the shards hold whole groups instead: the large functions' cases that
@@ -15,7 +16,13 @@ Deselected, each counted in the summary line pytest prints:
   Each case compiles the kernels of its head dim and dtype, so grouped shards compile disjoint sets of kernels,
   where shards by hash each compile nearly all of them.
 
-`--upstream-counts FILE` writes, per test function, the cases in scope and the cases run as JSON (under
+`--upstream-resume DIR` (repeatable) names an earlier run of the same shard, an output folder as
+`research/flash_attn_tests.sh` writes it: the cases its junit report holds an outcome for are left out, so a run cut
+short by a time limit goes on where it stopped instead of compiling and running its first cases again. A folder of
+another shard, sample size or grouping is refused.
+
+`--upstream-counts FILE` writes, per test function, the cases in scope, the cases run and the cases left out as
+reported by an earlier run (`resumed`) as JSON (under
 pytest-xdist the workers collect, and each writes the same file). `--upstream-failures FILE` appends one JSON line
 per failed case as it fails (its id and its error's message), so that a run cut short by a time limit still says
 why each case failed. A case that leaves the GPU unusable (a CUDA error: an illegal address, a launch failure) ends
@@ -32,10 +39,13 @@ specialised it on (`specialisation`), so that a ledger can count the distinct ke
 
 import json
 import os
+import xml.etree.ElementTree as ElementTree
 import zlib
 from collections import Counter
+from pathlib import Path
 
 import pytest
+from shard_reports import read_shard
 
 PRIVATE_ENTRY_POINTS = ("test_flash_attn_varlen_paged_kv_num_splits", "test_flash_attn_generator_arg_must_be_none")
 CONTEXT_LOST = ("illegal memory access", "illegal address", "unspecified launch failure", "CUDA error: misaligned",
@@ -54,6 +64,9 @@ def pytest_addoption(parser):
                      "to the shards: the cases sharing these comma-separated parameters' values (say, d,dtype)")
     parser.addoption("--upstream-whole", type=int, default=100, help="functions with at most this many cases in "
                      "scope run whole")
+    parser.addoption("--upstream-resume", action="append", default=[], help="an earlier run's output folder of this "
+                     "same shard (its cases.json and flash-attn-tests.xml): the cases it reported are left out; "
+                     "repeatable")
     parser.addoption("--upstream-counts", default=None, help="write the per-function counts to this JSON file")
     parser.addoption("--upstream-failures", default=None, help="append each failure to this JSON-lines file")
     parser.addoption("--upstream-fixed-tiles", action="store_true", help="launch the kernels untuned, at their "
@@ -83,6 +96,24 @@ def _dealt_groups(items, names: tuple[str, ...], every: int) -> dict[tuple[str, 
     return shard_of
 
 
+def _reported(folders, shard: dict) -> set[str]:
+    """The cases (`function[parameters]`, as junit names them) that earlier runs of this shard reported an outcome for;
+    `shard` is this run's sample size, shard and grouping, as `cases.json` holds them."""
+    names = set()
+    for folder in folders:
+        try:
+            earlier = read_shard(Path(folder))
+        except (OSError, ValueError, KeyError, ElementTree.ParseError) as error:
+            raise pytest.UsageError(f"--upstream-resume {folder}: expected an earlier run's output folder with "
+                                    f"cases.json and flash-attn-tests.xml ({error})") from error
+        theirs = {"sample_one_in": earlier["sample"], "shard": earlier["shard"], "shard_by": earlier["shard_by"]}
+        if theirs != shard:
+            raise pytest.UsageError(f"--upstream-resume {folder}: a run of {theirs}, expected one of this run's shard "
+                                    f"{shard}")
+        names.update(case.split("::")[-1] for case in earlier["outcomes"])
+    return names
+
+
 def pytest_collection_modifyitems(config, items):
     every, whole = config.getoption("--upstream-sample"), config.getoption("--upstream-whole")
     shard = config.getoption("--upstream-shard")
@@ -102,11 +133,16 @@ def pytest_collection_modifyitems(config, items):
         picked = {id(item) for item in large if zlib.crc32(item.nodeid.encode()) % every == shard}
     kept = [item for item in in_scope if (shard == 0 if per_function[item.originalname] <= whole
                                           else id(item) in picked)]
-    config._upstream_counts = (per_function, Counter(item.originalname for item in kept))
+    this_shard = {"sample_one_in": every, "shard": shard, "shard_by": list(names) or None}
+    reported = _reported(config.getoption("--upstream-resume"), this_shard)
+    resumed = Counter(item.originalname for item in kept if item.name in reported)
+    kept = [item for item in kept if item.name not in reported]
+    config._upstream_counts = (per_function, Counter(item.originalname for item in kept), resumed)
     if config.getoption("--upstream-counts"):
         with open(config.getoption("--upstream-counts"), "w") as f:
-            json.dump({"sample_one_in": every, "shard": shard, "whole_below": whole, "shard_by": list(names) or None,
-                       "functions": {name: {"in_scope": n, "run": config._upstream_counts[1][name]}
+            json.dump({**this_shard, "whole_below": whole,
+                       "functions": {name: {"in_scope": n, "run": config._upstream_counts[1][name],
+                                            "resumed": resumed[name]}
                                      for name, n in sorted(per_function.items())}}, f, indent=1)
     kept_ids = {id(item) for item in kept}
     dropped = [item for item in items if id(item) not in kept_ids]
@@ -187,8 +223,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     counts = getattr(config, "_upstream_counts", None)
     if counts is None:  # an xdist worker's summary, or nothing collected
         return
-    in_scope, run = counts
-    terminalreporter.write_sep("-", "flash-attn's cases outside dropout and ALiBi: in scope, run")
+    in_scope, run, resumed = counts
+    terminalreporter.write_sep("-", "flash-attn's cases outside dropout and ALiBi: in scope, run, reported before")
     for name in sorted(in_scope):
-        terminalreporter.write_line(f"{name}: {in_scope[name]} in scope, {run[name]} run")
-    terminalreporter.write_line(f"total: {sum(in_scope.values())} in scope, {sum(run.values())} run")
+        terminalreporter.write_line(f"{name}: {in_scope[name]} in scope, {run[name]} run, {resumed[name]} reported "
+                                    "before")
+    terminalreporter.write_line(f"total: {sum(in_scope.values())} in scope, {sum(run.values())} run, "
+                                f"{sum(resumed.values())} reported before")

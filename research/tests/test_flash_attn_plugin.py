@@ -1,9 +1,11 @@
 """The plugin that picks flash-attn's test cases (`research/flash_attn_shim/upstream_cases.py`), on a synthetic test
 file with the same parameter names: what it deselects, what it samples, and the failures it records as they come."""
 
+import gzip
 import json
 import subprocess
 import sys
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
@@ -45,7 +47,7 @@ def _run(tmp_path, *options):
 
 def test_dropout_alibi_and_private_entry_points_are_deselected_and_failures_recorded(tmp_path):
     done, counts, failures = _run(tmp_path)
-    assert counts == {"test_output": {"in_scope": 300, "run": 300}}, done.stdout[-2000:]
+    assert counts == {"test_output": {"in_scope": 300, "run": 300, "resumed": 0}}, done.stdout[-2000:]
     assert "1 failed, 299 passed, 901 deselected" in done.stdout, done.stdout[-2000:]
     assert len(failures) == 1 and "test_output[7-False-0.0]" in failures[0]["case"]
     assert "seven fails" in failures[0]["error"]
@@ -119,7 +121,7 @@ def test_shards_by_parameters_hold_whole_groups_and_partition_the_cases(tmp_path
 
 def test_the_ledger_adds_up_the_shards(tmp_path):
     """`research/flash_attn_ledger.py` over shards 0..2 of one in 3: every case in scope reported once, the one
-    failure among them; a shard run again counts once; a shard of another sample size is refused."""
+    failure among them; a shard run twice counts each case once; a shard of another sample size is refused."""
     sys.path.insert(0, str(SHIM.parent))
     from flash_attn_ledger import ledger
 
@@ -143,6 +145,47 @@ def test_the_ledger_adds_up_the_shards(tmp_path):
     (folders[1] / "cases.json").write_text(json.dumps(grouped))
     with pytest.raises(ValueError, match="by \\['n'\\]"):
         ledger(folders[:2])
+
+
+def test_a_resumed_run_goes_on_where_its_shard_stopped(tmp_path):
+    """`--upstream-resume` with an earlier run of the same shard, cut short (its report gzipped, as `results/` stores
+    it), leaves out the cases that run reported: the two runs cover the shard once between them, and the ledger adds
+    them up to the whole shard's. An earlier run of another shard is refused."""
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_ledger import ledger
+
+    (tmp_path / "test_upstream.py").write_text(CASES)
+
+    def run(name, shard, *options):
+        folder = tmp_path / name
+        folder.mkdir(exist_ok=True)
+        done = _pytest(tmp_path, "test_upstream.py", "-rA", "--upstream-sample", "3", "--upstream-shard", str(shard),
+                       "--upstream-counts", str(folder / "cases.json"), "--junitxml",
+                       str(folder / "flash-attn-tests.xml"), *options)
+        return folder, {line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith(("PASSED", "FAILED"))}
+
+    whole, every_case = run("whole", 1)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "cases.json").write_text((whole / "cases.json").read_text())
+    report = ElementTree.parse(whole / "flash-attn-tests.xml")
+    suite = next(report.iter("testsuite"))
+    reported = list(suite.iter("testcase"))
+    for case in reported[len(reported) // 2:]:
+        suite.remove(case)
+    with gzip.open(cut / "flash-attn-tests.xml.gz", "wb") as f:
+        report.write(f)
+    cut_cases = {f"test_upstream.py::{case.get('name')}" for case in reported[:len(reported) // 2]}
+
+    resumed, rest = run("resumed", 1, "--upstream-resume", str(cut))
+    assert rest == every_case - cut_cases and len(cut_cases) > 10, (len(rest), len(every_case), len(cut_cases))
+    counts = json.loads((resumed / "cases.json").read_text())["functions"]["test_output"]
+    assert counts["resumed"] == len(cut_cases) and counts["run"] == len(rest)
+    added, alone = ledger([cut, resumed]), ledger([whole])
+    assert added["reported"] == alone["reported"] == len(every_case) and added["totals"] == alone["totals"]
+    refused = _pytest(tmp_path, "test_upstream.py", "--upstream-sample", "3", "--upstream-shard", "2",
+                      "--upstream-resume", str(cut))
+    assert refused.returncode != 0 and "--upstream-resume" in refused.stdout + refused.stderr
 
 
 def _shard_folder(folder, sample: int, in_scope: dict, cases: list[tuple[str, float, str]], compiles=()):

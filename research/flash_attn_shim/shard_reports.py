@@ -1,0 +1,51 @@
+"""One output folder of `research/flash_attn_tests.sh` read back: what the ledger adds up and what a resumed run
+leaves out. Each file may be stored gzipped (`results/` keeps them so) under its name plus `.gz`."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+
+def _open(folder: Path, name: str):
+    """`folder/name`, or `folder/name.gz` read through gzip; None where neither exists."""
+    if (folder / name).exists():
+        return open(folder / name, "rb")
+    if (folder / f"{name}.gz").exists():
+        return gzip.open(folder / f"{name}.gz", "rb")
+    return None
+
+
+def _outcome(case: ElementTree.Element) -> str:
+    for child, outcome in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+        if case.find(child) is not None:
+            return outcome
+    return "passed"
+
+
+def read_shard(folder: Path) -> dict:
+    """One run's sample size, shard number and grouping, cases in scope per function, and per case id
+    (`classname::name`, as the junit report names it) its outcome, seconds and Triton compiles."""
+    folder = Path(folder)
+    cases = json.loads((folder / "cases.json").read_text())
+    report = _open(folder, "flash-attn-tests.xml")
+    if report is None:
+        raise FileNotFoundError(f"{folder}: no flash-attn-tests.xml (or .xml.gz)")
+    outcomes, seconds = {}, {}
+    with report:
+        for case in ElementTree.parse(report).iter("testcase"):
+            name = f"{case.get('classname')}::{case.get('name')}"
+            outcomes[name] = _outcome(case)
+            seconds[name] = float(case.get("time", 0.0))
+    compiles = {}
+    listing = _open(folder, "compiles.jsonl")
+    if listing is not None:
+        with listing:
+            for line in listing.read().decode().splitlines():
+                record = json.loads(line)
+                compiles[record["case"]] = record
+    return {"sample": cases["sample_one_in"], "shard": cases.get("shard", 0), "shard_by": cases.get("shard_by"),
+            "in_scope": {name: counts["in_scope"] for name, counts in cases["functions"].items()},
+            "outcomes": outcomes, "seconds": seconds, "compiles": compiles}
