@@ -47,16 +47,17 @@ def constexprs(name: str, kernel: str, head_dim: int, config: triton.Config, cau
 
 
 def compile_kernel(name: str, kernel: str, consts: dict, config: triton.Config, target: GPUTarget = SM90,
-                   strides16: bool = True):
+                   strides16: bool = True, divisible: dict[str, bool] | None = None):
     """Compile one kernel specialisation for `target`; raises Triton's CompilationError if it does not compile.
 
     Specialised as a launch on a GPU specialises it: every pointer 16-byte aligned, every stride and logical tile
     length divisible by 16 (true for torch's allocations at head dims 64 and 128), and T too (as at T = 4096).
     Without these hints Triton can prove no alignment, loads scalar 16-bit values and skips the cp.async pipeline,
     so registers, spills and shared memory come out unlike the code the GPU runs. With `strides16` False the
-    tensors' strides are not known divisible by 16, as a launch specialises those of a head dim like 40."""
+    tensors' strides are not known divisible by 16, as a launch specialises those of a head dim like 40. `divisible`
+    overrides the hint per runtime argument (a tuple's elements by their `_elements` names: {"T": False, "TK": True})."""
     return compile_function(kernel_of(name, kernel), consts, {"num_warps": config.num_warps, "num_stages": config.num_stages},
-                            target, strides16=strides16)
+                            target, strides16=strides16, divisible=divisible)
 
 
 _BUNDLES = {"band": ("KEEP", "stride_keep", "TK", "LEFT", "RIGHT")}
@@ -74,30 +75,32 @@ def _kind(name: str) -> str:
     return _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
 
 
-def _divisible(name: str, kind: str, strides16: bool = True) -> bool:
+def _divisible(name: str, kind: str, strides16: bool = True, divisible: dict[str, bool] | None = None) -> bool:
     """Pointers, strides (not the key table's row stride; with `strides16` only) and lengths: 16-aligned, as a
-    launch specialises them."""
+    launch specialises them; `divisible` overrides by name."""
+    if divisible and name in divisible:
+        return divisible[name]
     stride = name.startswith("stride_") and name != "stride_keep"
     return kind.startswith("*") or stride and strides16 or name in ("T", "LT", "LQ", "LM")
 
 
 def compile_function(fn, consts: dict, options: dict, target: GPUTarget = SM90, source_type=ASTSource,
-                     strides16: bool = True):
+                     strides16: bool = True, divisible: dict[str, bool] | None = None):
     """Compile a Triton (or, with Gluon's source type, a Gluon) kernel whose parameters follow our naming: pointers
     as in `_POINTERS`, the float scales in `_FLOATS`, every other runtime argument i32, tuples as `_elements` names
-    them; hints as `compile_kernel`'s (`strides16` too)."""
+    them; hints as `compile_kernel`'s (`strides16` and `divisible` too)."""
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         elements = None if name in consts else _elements(name)
         if elements is None:
             signature[name] = "constexpr" if name in consts else _kind(name)
-            if name not in consts and _divisible(name, signature[name], strides16):
+            if name not in consts and _divisible(name, signature[name], strides16, divisible):
                 attrs[(index,)] = [["tt.divisibility", 16]]
             continue
         signature[name] = tuple(_kind(e) for e in elements)
         attrs.update({(index, i): [["tt.divisibility", 16]] for i, e in enumerate(elements)
-                      if _divisible(e, _kind(e), strides16)})
+                      if _divisible(e, _kind(e), strides16, divisible)})
     source = source_type(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs=attrs)
     return triton.compile(source, target=target, options=options)
