@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import time
@@ -30,12 +31,25 @@ def commit() -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def package_source() -> str | None:
+    """Where the `stableflash` this run imports lives: relative to the checkout these scripts run from
+    (`stableflash`, or another tree's `git archive` that PYTHONPATH put first), else absolute; None if not found."""
+    spec = importlib.util.find_spec("stableflash")
+    if spec is None or not spec.origin:
+        return None
+    folder, checkout = Path(spec.origin).resolve().parent, Path(__file__).resolve().parents[1]
+    return str(folder.relative_to(checkout)) if folder.is_relative_to(checkout) else str(folder)
+
+
 def run_meta() -> dict:
-    """The GPU, torch, Triton, date and commit of this run (a script adds its own fields with `|`)."""
+    """The GPU, torch, Triton, date and commit of this run, and where its `stableflash` came from (`commit` names the
+    checkout, which is not the package's tree where PYTHONPATH put another first); a script adds its own fields with
+    `|`."""
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
     return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-            "triton": triton_version, "date": time.strftime("%Y-%m-%d"), "commit": commit()}
+            "triton": triton_version, "date": time.strftime("%Y-%m-%d"), "commit": commit(),
+            "package": package_source()}

@@ -25,6 +25,18 @@ def test_the_commit_is_the_environments_then_the_checkouts(monkeypatch):
     assert commit() == (head.stdout.strip() if head.returncode == 0 else None)
 
 
+def test_the_meta_names_the_package_tree_that_ran(tmp_path):
+    """This checkout's package by default; another tree's where PYTHONPATH puts it first (a `BEFORE` run)."""
+    assert run_meta()["package"] in ("stableflash", str(Path(__import__("stableflash").__file__).resolve().parent))
+    other = tmp_path / "before" / "stableflash"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    done = subprocess.run([sys.executable, "-c", "from common import run_meta; print(run_meta()['package'])"],
+                          cwd=BENCHMARKS, env={"PYTHONPATH": f"{other.parent}:{BENCHMARKS}", "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == str(other.resolve()), done.stderr[-2000:]
+
+
 def test_feature_cost_compares_per_round(monkeypatch):
     import feature_cost
 
