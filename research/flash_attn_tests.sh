@@ -12,6 +12,8 @@
 # The kernels launch at fixed tiles, untuned (TILES=tuned: autotune each shape, as a user's first call does).
 # RESUME="DIR..." (earlier runs' output folders of the same shard) leaves out the cases they reported, so that a shard
 # cut short by its call's limit goes on where it stopped (research/flash_attn_ledger.py adds a shard's runs up).
+# WORKER_GROUPS (default below; empty: off) sends the cases sharing those parameters' values to one worker
+# (pytest-xdist's loadgroup), so that no two workers compile one kernel at once.
 # The rootdir is fixed at the current folder: shards by hash hash the cases' node ids, which pytest writes relative to
 # it, and pytest would otherwise move it to hold every existing path among the arguments (a RESUME folder's, say).
 # LIMIT_S=S interrupts pytest after S seconds as Ctrl-C would, so that a run cut short still writes its junit XML (each
@@ -25,6 +27,7 @@ sample=${3:-1}
 shift $(($# < 3 ? $# : 3))
 mkdir -p "$out"
 export FLASH_ATTN_REPO=$(cd "$repo" && pwd)
+groups=${WORKER_GROUPS-d,dtype,causal,local,softcap,mha_type,paged_kv_block_size,new_kv}
 resume=()
 for folder in ${RESUME:-}; do resume+=(--upstream-resume "$(cd "$folder" && pwd)"); done
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
@@ -34,7 +37,7 @@ ${LIMIT_S:+timeout -s INT -k 60 $LIMIT_S} python3 -m pytest "$FLASH_ATTN_REPO/te
   --upstream-sample "$sample" \
   --upstream-shard "${SHARD:-0}" ${SHARD_BY:+--upstream-shard-by "$SHARD_BY"} ${resume[@]+"${resume[@]}"} \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
-  --upstream-compiles "$out/compiles.jsonl" \
+  --upstream-compiles "$out/compiles.jsonl" ${groups:+--dist loadgroup --upstream-worker-groups "$groups"} \
   --junitxml "$out/flash-attn-tests.xml" $([ "${TILES:-fixed}" = fixed ] && echo --upstream-fixed-tiles) "$@" > "$out/flash-attn-tests.log" 2>&1
 status=$?
 grep -oE "(PASSED|FAILED|SKIPPED|ERROR) [^ ]+::[a-z_]+" "$out/flash-attn-tests.log" | sort | uniq -c

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
+
+_WORKER_GROUP = re.compile(r"@g[0-9a-f]{8}$")
+"""The suffix pytest-xdist's `--dist loadgroup` gives a case's id (`upstream_cases.worker_group`)."""
 
 
 def _open(folder: Path, name: str):
@@ -27,7 +31,8 @@ def _outcome(case: ElementTree.Element) -> str:
 
 def read_shard(folder: Path) -> dict:
     """One run's sample size, shard number and grouping, cases in scope per function, and per case id
-    (`classname::name`, as the junit report names it) its outcome, seconds and Triton compiles."""
+    (`classname::name`, as the junit report names it, without a worker group's suffix) its outcome, seconds and
+    Triton compiles."""
     folder = Path(folder)
     cases = json.loads((folder / "cases.json").read_text())
     report = _open(folder, "flash-attn-tests.xml")
@@ -36,7 +41,7 @@ def read_shard(folder: Path) -> dict:
     outcomes, seconds = {}, {}
     with report:
         for case in ElementTree.parse(report).iter("testcase"):
-            name = f"{case.get('classname')}::{case.get('name')}"
+            name = f"{case.get('classname')}::{_WORKER_GROUP.sub('', case.get('name'))}"
             outcomes[name] = _outcome(case)
             seconds[name] = float(case.get("time", 0.0))
     compiles = {}
@@ -45,7 +50,7 @@ def read_shard(folder: Path) -> dict:
         with listing:
             for line in listing.read().decode().splitlines():
                 record = json.loads(line)
-                compiles[record["case"]] = record
+                compiles[_WORKER_GROUP.sub("", record["case"])] = record
     return {"sample": cases["sample_one_in"], "shard": cases.get("shard", 0), "shard_by": cases.get("shard_by"),
             "in_scope": {name: counts["in_scope"] for name, counts in cases["functions"].items()},
             "outcomes": outcomes, "seconds": seconds, "compiles": compiles}

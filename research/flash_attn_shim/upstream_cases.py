@@ -21,6 +21,12 @@ Deselected, each counted in the summary line pytest prints:
 short by a time limit goes on where it stopped instead of compiling and running its first cases again. A folder of
 another shard, sample size or grouping is refused.
 
+`--upstream-worker-groups PARAMS` (with pytest-xdist's `--dist loadgroup`) sends the cases that share those
+parameters' values to one worker (`xdist_group`): cases that build the same kernels then build them one after another
+in one process, where under plain load balancing several workers compiled the same kernel at once (a quarter of a
+grouped shard's compiles). pytest-xdist appends the group to each node id (`...]@g1234abcd`); the reports read back
+(`shard_reports`) leave it out.
+
 `--upstream-counts FILE` writes, per test function, the cases in scope, the cases run and the cases left out as
 reported by an earlier run (`resumed`) as JSON (under
 pytest-xdist the workers collect, and each writes the same file). `--upstream-failures FILE` appends one JSON line
@@ -67,6 +73,8 @@ def pytest_addoption(parser):
     parser.addoption("--upstream-resume", action="append", default=[], help="an earlier run's output folder of this "
                      "same shard (its cases.json and flash-attn-tests.xml): the cases it reported are left out; "
                      "repeatable")
+    parser.addoption("--upstream-worker-groups", default=None, help="with pytest-xdist's --dist loadgroup, send the "
+                     "cases that share these comma-separated parameters' values to one worker")
     parser.addoption("--upstream-counts", default=None, help="write the per-function counts to this JSON file")
     parser.addoption("--upstream-failures", default=None, help="append each failure to this JSON-lines file")
     parser.addoption("--upstream-fixed-tiles", action="store_true", help="launch the kernels untuned, at their "
@@ -114,6 +122,12 @@ def _reported(folders, shard: dict) -> set[str]:
     return names
 
 
+def worker_group(item, names: tuple[str, ...]) -> str:
+    """The `xdist_group` of a case: a name for its values of `names`."""
+    return f"g{zlib.crc32(repr(_group(item, names)).encode()):08x}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (and appends them to the node ids)
 def pytest_collection_modifyitems(config, items):
     every, whole = config.getoption("--upstream-sample"), config.getoption("--upstream-whole")
     shard = config.getoption("--upstream-shard")
@@ -144,6 +158,11 @@ def pytest_collection_modifyitems(config, items):
                        "functions": {name: {"in_scope": n, "run": config._upstream_counts[1][name],
                                             "resumed": resumed[name]}
                                      for name, n in sorted(per_function.items())}}, f, indent=1)
+    grouping = config.getoption("--upstream-worker-groups")
+    if grouping:
+        group_names = tuple(name.strip() for name in grouping.split(",") if name.strip())
+        for item in kept:
+            item.add_marker(pytest.mark.xdist_group(worker_group(item, group_names)))
     kept_ids = {id(item) for item in kept}
     dropped = [item for item in items if id(item) not in kept_ids]
     if dropped:

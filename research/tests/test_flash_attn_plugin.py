@@ -3,6 +3,7 @@ file with the same parameter names: what it deselects, what it samples, and the 
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -117,6 +118,34 @@ def test_shards_by_parameters_hold_whole_groups_and_partition_the_cases(tmp_path
     assert sorted(map(len, runs)) == [180, 180, 180]
     refused = _pytest(tmp_path, "test_upstream.py", "--upstream-sample", "3", "--upstream-shard-by", ",")
     assert refused.returncode != 0 and "--upstream-shard-by" in refused.stderr + refused.stdout
+
+
+def test_worker_groups_send_the_cases_that_share_their_values_to_one_worker(tmp_path):
+    """With --upstream-worker-groups d,dtype and --dist loadgroup, each (d, dtype) group's cases all run on one
+    worker; the report read back names the cases without pytest-xdist's group suffix, so that a run resumed from it
+    finds every case reported."""
+    sys.path.insert(0, str(SHIM))
+    from shard_reports import read_shard
+
+    (tmp_path / "test_upstream.py").write_text(GROUPED)
+    folder = tmp_path / "grouped"
+    folder.mkdir()
+    done = _pytest(tmp_path, "test_upstream.py", "-vv", "-n", "3", "--dist", "loadgroup", "--upstream-worker-groups",
+                   "d,dtype", "--upstream-counts", str(folder / "cases.json"), "--junitxml",
+                   str(folder / "flash-attn-tests.xml"))
+    workers = {}
+    for worker, case in re.findall(r"\[(gw\d+)\] \[ *\d+%\] PASSED (\S+)", done.stdout):
+        name = case.split("::")[-1]
+        group = (name.split("[")[1].split("@")[0].rstrip("]").split("-") + [None])[1:3]  # (d, dtype) or (d, None)
+        workers.setdefault(tuple(group), set()).add(worker)
+    assert len(workers) == 12 and all(len(w) == 1 for w in workers.values()), workers
+    assert len({w for ws in workers.values() for w in ws}) > 1  # the groups were spread over the workers
+    names = [case.split("::")[-1] for case in read_shard(folder)["outcomes"]]
+    assert len(names) == 540 and not any("@" in name for name in names), names[:3]
+    resumed = _pytest(tmp_path, "test_upstream.py", "--upstream-resume", str(folder), "--upstream-counts",
+                      str(tmp_path / "resumed.json"))
+    assert all(f["run"] == 0 for f in json.loads((tmp_path / "resumed.json").read_text())["functions"].values()), \
+        resumed.stdout[-2000:]
 
 
 def test_the_ledger_adds_up_the_shards(tmp_path):
