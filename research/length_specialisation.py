@@ -17,7 +17,6 @@ import json
 import os
 import re
 import sys
-from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "0")  # compile, even where the package's tests run the interpreter
@@ -26,7 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline_compile import compile_kernel, constexprs, resource_usage  # noqa: E402
+from offline_compile import compile_kernel, constexprs, memory_instructions, resource_usage  # noqa: E402
 
 from stableflash.attention.precision import resolve  # noqa: E402
 from stableflash.attention.triton import tuning  # noqa: E402
@@ -36,11 +35,6 @@ LENGTHS = ("T",)
 BAND = ("TK", "LEFT", "RIGHT", "stride_keep")
 TILES = {"fwd": tuning.config(128, 64, 8, 3, TMA=False), "dq": tuning.config(128, 64, 8, 3, TMA=False),
          "dkdv": tuning.config(64, 128, 8, 3, TMA=False)}
-
-
-def _memory(compiled) -> Counter:
-    return Counter(re.findall(r"^\s*(?:@!?%p\d+\s+)?((?:cp\.async\.c[ag]|ld\.global|st\.global)[\w.]*)",
-                              compiled.asm["ptx"], re.MULTILINE))
 
 
 def _instructions(compiled) -> int:
@@ -60,7 +54,7 @@ def compare(head_dim: int, kernel: str, masked: bool, names: tuple[str, ...]) ->
     for known, compiled in builds.items():
         side = "divisible" if known else "not_divisible"
         row[side] = {"instructions": _instructions(compiled), "registers": resource_usage(compiled)["registers"],
-                     "memory": dict(sorted(_memory(compiled).items()))}
+                     "memory": dict(sorted(memory_instructions(compiled).items()))}
     row["same_memory"] = row["divisible"]["memory"] == row["not_divisible"]["memory"]
     return row
 

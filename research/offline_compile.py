@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -104,6 +105,12 @@ def compile_function(fn, consts: dict, options: dict, target: GPUTarget = SM90, 
     source = source_type(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs=attrs)
     return triton.compile(source, target=target, options=options)
+
+
+def memory_instructions(compiled) -> Counter:
+    """How many of each global load, store and asynchronous copy (with its width) a kernel's PTX holds."""
+    return Counter(re.findall(r"^\s*(?:@%p\d+\s+)?((?:cp\.async\.c[ag]|ld\.global|st\.global)[\w.]*)",
+                              compiled.asm["ptx"], re.MULTILINE))
 
 
 def resource_usage(compiled) -> dict:

@@ -10,7 +10,6 @@ ptxas serialises.
 import os
 import re
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="compiles for sm_90: test_kernel_compile_in_ci.py runs it without the interpreter")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offline_compile import compile_function, compile_kernel, constexprs, resource_usage, wgmma_serialization  # noqa: E402
+from offline_compile import compile_function, compile_kernel, constexprs, memory_instructions, resource_usage, wgmma_serialization  # noqa: E402
 
 from stableflash import SFA  # noqa: E402
 from stableflash.attention.precision import resolve  # noqa: E402
@@ -175,7 +174,7 @@ def test_a_head_dim_padded_inside_the_kernels_compiles_like_the_full_one(policy,
     assert wgmma_serialization(compiled) is None
     usage, full = resource_usage(compiled), resource_usage(whole)
     assert usage["registers"] <= 255 and usage["spill_stack_bytes"] <= full["spill_stack_bytes"] + 16, (usage, full)
-    assert _memory_instructions(compiled) == _memory_instructions(whole)
+    assert memory_instructions(compiled) == memory_instructions(whole)
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
@@ -191,7 +190,7 @@ def test_without_stride8_a_head_dim_of_40_loads_in_another_layout(kernel):
     whole = compile_kernel(name, kernel, consts, config)
     unhinted = compile_kernel(name, kernel, {**consts, "D_IN": 40}, config, strides16=False)
     assert _float_work(unhinted) != _float_work(whole)
-    assert _memory_instructions(unhinted) != _memory_instructions(whole)
+    assert memory_instructions(unhinted) != memory_instructions(whole)
 
 
 _FLOAT_OP = re.compile(r"= (arith\.(?:add|sub|mul|div|max\w*|min\w*|neg|trunc|ext)f|math\.\w+|tt\.reduce|tt\.dot|"
@@ -210,12 +209,6 @@ def _float_work(compiled) -> list[tuple[str, str]]:
 def _tensor_core_products(compiled) -> list[str]:
     """A kernel's tensor-core instructions (wgmma or mma, with their shapes and types), in the PTX's order."""
     return re.findall(r"\b(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)", compiled.asm["ptx"])
-
-
-def _memory_instructions(compiled) -> Counter:
-    """How many of each global load, store and asynchronous copy (with its width) a kernel's PTX holds."""
-    return Counter(re.findall(r"^\s*(?:@%p\d+\s+)?((?:cp\.async\.c[ag]|ld\.global|st\.global)[\w.]*)", compiled.asm["ptx"],
-                              re.MULTILINE))
 
 
 _GLOBAL_ATOMIC = re.compile(r"^\s*(@%p\d+\s+)?(red|atom)(\.\w+)*\.global\.", re.MULTILINE)
