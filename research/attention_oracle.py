@@ -232,10 +232,12 @@ def check_against_exact(check, ours_out, ours_grads, inputs, oracle, dout, grad_
     gradients come back through autograd. Returns the exact lse."""
     exact_leaves = [t.detach().double().requires_grad_() for t in inputs]
     exact_out, exact_lse = oracle("exact")(*exact_leaves)
-    # each baseline on contiguous copies and, where the call got other memory, on the inputs as it got them: an fp32
+    # each baseline on contiguous copies and, where the call's inputs are not contiguous, on them as they are: an fp32
     # gradient's error moves with the summation order (a dense fp32 dQ's threefold between the two), and the rule's
     # baseline must not be one lucky order
-    copies = [torch.Tensor.clone] + ([] if all(t.is_contiguous() for t in inputs) else [lambda t: t])
+    copies = [lambda t: t.clone(memory_format=torch.contiguous_format)]
+    if not all(t.is_contiguous() for t in inputs):
+        copies.append(lambda t: t)
     plains = []
     for how in ("plain", "flash"):
         for copy in copies:
