@@ -12,8 +12,10 @@
 # The kernels launch at fixed tiles, untuned (TILES=tuned: autotune each shape, as a user's first call does).
 # RESUME="DIR..." (earlier runs' output folders of the same shard) leaves out the cases they reported, so that a shard
 # cut short by its call's limit goes on where it stopped (research/flash_attn_ledger.py adds a shard's runs up).
-# WORKER_GROUPS (default below; empty: off) sends the cases sharing those parameters' values to one worker
-# (pytest-xdist's loadgroup), so that no two workers compile one kernel at once.
+# WORKER_GROUPS=PARAMS (say d,dtype,causal,local,softcap,mha_type,paged_kv_block_size,new_kv) sends the cases sharing
+# those parameters' values to one worker (pytest-xdist's loadgroup), so that no two workers compile one kernel at once.
+# Off by default: under loadgroup a case that loses the CUDA context (its worker exits, above) is run again in each
+# fresh worker until --max-worker-restart runs out.
 # The rootdir is fixed at the current folder: shards by hash hash the cases' node ids, which pytest writes relative to
 # it, and pytest would otherwise move it to hold every existing path among the arguments (a RESUME folder's, say).
 # LIMIT_S=S interrupts pytest after S seconds as Ctrl-C would, so that a run cut short still writes its junit XML (each
@@ -27,7 +29,7 @@ sample=${3:-1}
 shift $(($# < 3 ? $# : 3))
 mkdir -p "$out"
 export FLASH_ATTN_REPO=$(cd "$repo" && pwd)
-groups=${WORKER_GROUPS-d,dtype,causal,local,softcap,mha_type,paged_kv_block_size,new_kv}
+groups=${WORKER_GROUPS:-}
 resume=()
 for folder in ${RESUME:-}; do resume+=(--upstream-resume "$(cd "$folder" && pwd)"); done
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}

@@ -25,7 +25,9 @@ another shard, sample size or grouping is refused.
 parameters' values to one worker (`xdist_group`): cases that build the same kernels then build them one after another
 in one process, where under plain load balancing several workers compiled the same kernel at once (a quarter of a
 grouped shard's compiles). pytest-xdist appends the group to each node id (`...]@g1234abcd`); the reports read back
-(`shard_reports`) leave it out.
+(`shard_reports`) leave it out. Under loadgroup pytest-xdist puts a crashed worker's group back whole, so a case
+that loses the CUDA context runs again in each fresh worker until `--max-worker-restart` runs out: use the groups
+where no such case is expected.
 
 `--upstream-counts FILE` writes, per test function, the cases in scope, the cases run and the cases left out as
 reported by an earlier run (`resumed`) as JSON (under
