@@ -8,7 +8,7 @@ multiplies the compiles.
 
 Each shard is one `research/flash_attn_tests.sh` output folder (its `cases.json` and `flash-attn-tests.xml`), run
 with the same SAMPLE N, the same SHARD_BY and its own SHARD K. A shard's runs add up, in the order given: a resumed
-run (RESUME) reports the cases its earlier runs did not, and a case reported by several runs counts once, as the
+run (RESUME) reports the cases its earlier runs did not pass or skip, and a case reported by several runs counts once, as the
 last of them reported it. Shards of another N or another SHARD_BY are refused, since they would overlap.
 
     python research/flash_attn_ledger.py OUT/shard-0 OUT/shard-1 ... --out results/drop-ins/flash-attn-ledger.json
@@ -28,7 +28,9 @@ OUTCOMES = ("passed", "failed", "error", "skipped")
 
 def _added(earlier: dict, later: dict) -> dict:
     """Two runs of one shard as one: each case as the later run reported it, else as the earlier did."""
-    return {**later, **{part: {**earlier[part], **later[part]} for part in ("outcomes", "seconds", "compiles")}}
+    retried = {case: n for case, n in earlier["memory_retries"].items() if case not in later["outcomes"]}
+    return {**later, **{part: {**earlier[part], **later[part]} for part in ("outcomes", "seconds", "compiles")},
+            "memory_retries": {**retried, **later["memory_retries"]}}
 
 
 def ledger(folders: list[Path]) -> dict:
@@ -72,7 +74,9 @@ def ledger(folders: list[Path]) -> dict:
             "totals": {o: sum(f[o] for f in functions.values()) for o in OUTCOMES},
             "worker_seconds": round(sum(seconds.values()), 3),
             "compile_seconds": round(sum(f["compile_seconds"] for f in functions.values()), 3),
-            "worker_seconds_left": round(left, 3), "functions": functions, "kernels": kernels}
+            "worker_seconds_left": round(left, 3),
+            "memory_retried": sum(len(shard["memory_retries"]) for shard in shards.values()),
+            "functions": functions, "kernels": kernels}
 
 
 def _kernels(records) -> dict:
@@ -108,6 +112,7 @@ def main() -> None:
           ", ".join(f"{n} {o}" for o, n in result["totals"].items()))
     print(f"worker-seconds so far {result['worker_seconds']:.0f}; the cases left, at each function's mean so far: "
           f"{result['worker_seconds_left']:.0f} (functions with no case reported yet not counted)")
+    print(f"cases run again after running out of device memory: {result['memory_retried']}")
     print(f"of the worker-seconds, compiling Triton kernels: {result['compile_seconds']:.0f} (where the shards wrote "
           "compiles.jsonl)")
     for name, row in sorted(result["kernels"].items()):

@@ -10,8 +10,11 @@
 # (research/flash_attn_ledger.py adds up what the shards run so far have covered). SHARD_BY=d,dtype deals whole groups
 # of cases sharing those parameters to the shards instead, so that each shard compiles its own kernels only.
 # The kernels launch at fixed tiles, untuned (TILES=tuned: autotune each shape, as a user's first call does).
-# RESUME="DIR..." (earlier runs' output folders of the same shard) leaves out the cases they reported, so that a shard
-# cut short by its call's limit goes on where it stopped (research/flash_attn_ledger.py adds a shard's runs up).
+# RESUME="DIR..." (earlier runs' output folders of the same shard) leaves out the cases they reported passed or skipped,
+# so that a shard cut short by its call's limit goes on where it stopped and its failures run again
+# (research/flash_attn_ledger.py adds a shard's runs up, the last report of a case counting).
+# MEMORY_RETRIES=N (default 8): each case frees its cached device memory when it ends, and a case that runs out of
+# device memory, which 16 workers on one GPU can, runs again after a pause, up to N times (0: neither).
 # WORKER_GROUPS=PARAMS (say d,dtype,causal,local,softcap,mha_type,paged_kv_block_size,new_kv) sends the cases sharing
 # those parameters' values to one worker (pytest-xdist's loadgroup), so that no two workers compile one kernel at once.
 # Off by default: under loadgroup a case that loses the CUDA context (its worker exits, above) is run again in each
@@ -39,7 +42,7 @@ ${LIMIT_S:+timeout -s INT -k 60 $LIMIT_S} python3 -m pytest "$FLASH_ATTN_REPO/te
   --upstream-sample "$sample" \
   --upstream-shard "${SHARD:-0}" ${SHARD_BY:+--upstream-shard-by "$SHARD_BY"} ${resume[@]+"${resume[@]}"} \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
-  --upstream-compiles "$out/compiles.jsonl" ${groups:+--dist loadgroup --upstream-worker-groups "$groups"} \
+  --upstream-compiles "$out/compiles.jsonl" --upstream-memory-retries "${MEMORY_RETRIES:-8}" ${groups:+--dist loadgroup --upstream-worker-groups "$groups"} \
   --junitxml "$out/flash-attn-tests.xml" $([ "${TILES:-fixed}" = fixed ] && echo --upstream-fixed-tiles) "$@" > "$out/flash-attn-tests.log" 2>&1
 status=$?
 grep -oE "(PASSED|FAILED|SKIPPED|ERROR) [^ ]+::[a-z_]+" "$out/flash-attn-tests.log" | sort | uniq -c

@@ -32,18 +32,21 @@ def _outcome(case: ElementTree.Element) -> str:
 def read_shard(folder: Path) -> dict:
     """One run's sample size, shard number and grouping, cases in scope per function, and per case id
     (`classname::name`, as the junit report names it, without a worker group's suffix) its outcome, seconds and
-    Triton compiles."""
+    Triton compiles, and the cases run again after running out of device memory (how many times)."""
     folder = Path(folder)
     cases = json.loads((folder / "cases.json").read_text())
     report = _open(folder, "flash-attn-tests.xml")
     if report is None:
         raise FileNotFoundError(f"{folder}: no flash-attn-tests.xml (or .xml.gz)")
-    outcomes, seconds = {}, {}
+    outcomes, seconds, memory_retries = {}, {}, {}
     with report:
         for case in ElementTree.parse(report).iter("testcase"):
             name = f"{case.get('classname')}::{_WORKER_GROUP.sub('', case.get('name'))}"
             outcomes[name] = _outcome(case)
             seconds[name] = float(case.get("time", 0.0))
+            retries = sum(p.get("name") == "memory_retry" for p in case.iter("property"))
+            if retries:
+                memory_retries[name] = retries
     compiles = {}
     listing = _open(folder, "compiles.jsonl")
     if listing is not None:
@@ -53,4 +56,5 @@ def read_shard(folder: Path) -> dict:
                 compiles[_WORKER_GROUP.sub("", record["case"])] = record
     return {"sample": cases["sample_one_in"], "shard": cases.get("shard", 0), "shard_by": cases.get("shard_by"),
             "in_scope": {name: counts["in_scope"] for name, counts in cases["functions"].items()},
-            "outcomes": outcomes, "seconds": seconds, "compiles": compiles}
+            "outcomes": outcomes, "seconds": seconds, "compiles": compiles,
+            "memory_retries": memory_retries}

@@ -17,9 +17,15 @@ Deselected, each counted in the summary line pytest prints:
   where shards by hash each compile nearly all of them.
 
 `--upstream-resume DIR` (repeatable) names an earlier run of the same shard, an output folder as
-`research/flash_attn_tests.sh` writes it: the cases its junit report holds an outcome for are left out, so a run cut
-short by a time limit goes on where it stopped instead of compiling and running its first cases again. A folder of
-another shard, sample size or grouping is refused.
+`research/flash_attn_tests.sh` writes it: the cases its junit report holds a pass or a skip for are left out, so a run
+cut short by a time limit goes on where it stopped instead of compiling and running its first cases again. Its failed
+and errored cases run again: a failure is confirmed or mended by the later run, which the ledger counts (the last of a
+shard's runs to report a case wins). A folder of another shard, sample size or grouping is refused.
+
+`--upstream-memory-retries N`: each case returns the memory its process's allocator holds cached to the device when
+it ends, and a case that runs out of device memory (16 workers share one GPU; the file's largest cases take GBs) runs
+again after a pause, up to N times. Each retry is written into the case's junit record as a `memory_retry` property,
+so the ledger counts the cases that needed one.
 
 `--upstream-worker-groups PARAMS` (with pytest-xdist's `--dist loadgroup`) sends the cases that share those
 parameters' values to one worker (`xdist_group`): cases that build the same kernels then build them one after another
@@ -30,7 +36,7 @@ that loses the CUDA context runs again in each fresh worker until `--max-worker-
 where no such case is expected.
 
 `--upstream-counts FILE` writes, per test function, the cases in scope, the cases run and the cases left out as
-reported by an earlier run (`resumed`) as JSON (under
+passed or skipped by an earlier run (`resumed`) as JSON (under
 pytest-xdist the workers collect, and each writes the same file). `--upstream-failures FILE` appends one JSON line
 per failed case as it fails (its id and its error's message), so that a run cut short by a time limit still says
 why each case failed. A case that leaves the GPU unusable (a CUDA error: an illegal address, a launch failure) ends
@@ -45,8 +51,11 @@ Each compile is listed too (`kernels`): the kernel's name, its cache key, and th
 specialised it on (`specialisation`), so that a ledger can count the distinct kernels and say what multiplies them.
 """
 
+import functools
 import json
 import os
+import sys
+import time
 import xml.etree.ElementTree as ElementTree
 import zlib
 from collections import Counter
@@ -58,6 +67,8 @@ from shard_reports import read_shard
 PRIVATE_ENTRY_POINTS = ("test_flash_attn_varlen_paged_kv_num_splits", "test_flash_attn_generator_arg_must_be_none")
 CONTEXT_LOST = ("illegal memory access", "illegal address", "unspecified launch failure", "CUDA error: misaligned",
                 "device-side assert")
+OUT_OF_MEMORY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+MEMORY_PAUSE_S = 1.0  # before a case's first retry, growing with each: other workers' cases finish meanwhile
 _failures_path = None  # `--upstream-failures`, read at configure time (a report hook gets no config)
 _controller = False  # pytest-xdist's controller: its workers record their own failures, it records their crashes
 _builds = Counter()  # this process's Triton builds during the running case: compiled, loaded, compile_us
@@ -73,8 +84,10 @@ def pytest_addoption(parser):
     parser.addoption("--upstream-whole", type=int, default=100, help="functions with at most this many cases in "
                      "scope run whole")
     parser.addoption("--upstream-resume", action="append", default=[], help="an earlier run's output folder of this "
-                     "same shard (its cases.json and flash-attn-tests.xml): the cases it reported are left out; "
-                     "repeatable")
+                     "same shard (its cases.json and flash-attn-tests.xml): the cases it reported passed or skipped "
+                     "are left out; repeatable")
+    parser.addoption("--upstream-memory-retries", type=int, default=0, help="free each case's cached device memory "
+                     "when it ends, and run a case that ran out of device memory again, up to this many times")
     parser.addoption("--upstream-worker-groups", default=None, help="with pytest-xdist's --dist loadgroup, send the "
                      "cases that share these comma-separated parameters' values to one worker")
     parser.addoption("--upstream-counts", default=None, help="write the per-function counts to this JSON file")
@@ -106,10 +119,11 @@ def _dealt_groups(items, names: tuple[str, ...], every: int) -> dict[tuple[str, 
     return shard_of
 
 
-def _reported(folders, shard: dict) -> set[str]:
-    """The cases (`function[parameters]`, as junit names them) that earlier runs of this shard reported an outcome for;
-    `shard` is this run's sample size, shard and grouping, as `cases.json` holds them."""
-    names = set()
+def _settled(folders, shard: dict) -> set[str]:
+    """The cases (`function[parameters]`, as junit names them) that earlier runs of this shard, the last to report
+    each, reported passed or skipped; `shard` is this run's sample size, shard and grouping, as `cases.json` holds
+    them."""
+    outcomes = {}
     for folder in folders:
         try:
             earlier = read_shard(Path(folder))
@@ -120,8 +134,8 @@ def _reported(folders, shard: dict) -> set[str]:
         if theirs != shard:
             raise pytest.UsageError(f"--upstream-resume {folder}: a run of {theirs}, expected one of this run's shard "
                                     f"{shard}")
-        names.update(case.split("::")[-1] for case in earlier["outcomes"])
-    return names
+        outcomes.update({case.split("::")[-1]: outcome for case, outcome in earlier["outcomes"].items()})
+    return {name for name, outcome in outcomes.items() if outcome in ("passed", "skipped")}
 
 
 def worker_group(item, names: tuple[str, ...]) -> str:
@@ -150,9 +164,9 @@ def pytest_collection_modifyitems(config, items):
     kept = [item for item in in_scope if (shard == 0 if per_function[item.originalname] <= whole
                                           else id(item) in picked)]
     this_shard = {"sample_one_in": every, "shard": shard, "shard_by": list(names) or None}
-    reported = _reported(config.getoption("--upstream-resume"), this_shard)
-    resumed = Counter(item.originalname for item in kept if item.name in reported)
-    kept = [item for item in kept if item.name not in reported]
+    settled = _settled(config.getoption("--upstream-resume"), this_shard)
+    resumed = Counter(item.originalname for item in kept if item.name in settled)
+    kept = [item for item in kept if item.name not in settled]
     config._upstream_counts = (per_function, Counter(item.originalname for item in kept), resumed)
     if config.getoption("--upstream-counts"):
         with open(config.getoption("--upstream-counts"), "w") as f:
@@ -226,6 +240,46 @@ def specialisation(src) -> list[str]:
 
 def _kernel_record(src) -> dict:
     return {"kernel": src.name, "key": src.hash()[:16], "specialisation": specialisation(src)}
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    return any(marker in str(error) for marker in OUT_OF_MEMORY)
+
+
+def _free_cached_memory() -> None:
+    """Return the device memory PyTorch's caching allocator holds to the device, for the other workers' cases."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _retrying_on_memory(item, test, retries: int):
+    """`test`, run again after a pause where it runs out of device memory, up to `retries` times."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        for attempt in range(retries + 1):
+            try:
+                return test(*args, **kwargs)
+            except Exception as error:
+                if attempt == retries or not _out_of_memory(error):
+                    raise
+                item.user_properties.append(("memory_retry", str(error).splitlines()[0][:200]))
+                _free_cached_memory()
+                time.sleep(MEMORY_PAUSE_S * (attempt + 1))
+    return run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    retries = item.config.getoption("--upstream-memory-retries")
+    if retries > 0:
+        item.obj = _retrying_on_memory(item, item.obj, retries)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if item.config.getoption("--upstream-memory-retries") > 0:
+        _free_cached_memory()
 
 
 @pytest.hookimpl(hookwrapper=True)

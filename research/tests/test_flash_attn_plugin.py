@@ -178,8 +178,8 @@ def test_the_ledger_adds_up_the_shards(tmp_path):
 
 def test_a_resumed_run_goes_on_where_its_shard_stopped(tmp_path):
     """`--upstream-resume` with an earlier run of the same shard, cut short (its report gzipped, as `results/` stores
-    it), leaves out the cases that run reported: the two runs cover the shard once between them, and the ledger adds
-    them up to the whole shard's. An earlier run of another shard is refused."""
+    it), leaves out the cases that run passed (a failure runs again): the two runs cover the shard between them, and
+    the ledger adds them up to the whole shard's. An earlier run of another shard is refused."""
     sys.path.insert(0, str(SHIM.parent))
     from flash_attn_ledger import ledger
 
@@ -204,17 +204,75 @@ def test_a_resumed_run_goes_on_where_its_shard_stopped(tmp_path):
         suite.remove(case)
     with gzip.open(cut / "flash-attn-tests.xml.gz", "wb") as f:
         report.write(f)
-    cut_cases = {f"test_upstream.py::{case.get('name')}" for case in reported[:len(reported) // 2]}
+    cut_passed = {f"test_upstream.py::{case.get('name')}" for case in reported[:len(reported) // 2]
+                  if case.find("failure") is None}
 
     resumed, rest = run("resumed", 1, "--upstream-resume", str(cut))
-    assert rest == every_case - cut_cases and len(cut_cases) > 10, (len(rest), len(every_case), len(cut_cases))
+    assert rest == every_case - cut_passed and len(cut_passed) > 10, (len(rest), len(every_case), len(cut_passed))
     counts = json.loads((resumed / "cases.json").read_text())["functions"]["test_output"]
-    assert counts["resumed"] == len(cut_cases) and counts["run"] == len(rest)
+    assert counts["resumed"] == len(cut_passed) and counts["run"] == len(rest)
     added, alone = ledger([cut, resumed]), ledger([whole])
     assert added["reported"] == alone["reported"] == len(every_case) and added["totals"] == alone["totals"]
     refused = _pytest(tmp_path, "test_upstream.py", "--upstream-sample", "3", "--upstream-shard", "2",
                       "--upstream-resume", str(cut))
     assert refused.returncode != 0 and "--upstream-resume" in refused.stdout + refused.stderr
+
+
+def test_a_resumed_run_runs_the_failures_again(tmp_path):
+    """A resumed run leaves out the cases passed before and runs the failed one again; the ledger counts each case as
+    the last run reported it."""
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_ledger import ledger
+
+    (tmp_path / "test_upstream.py").write_text(CASES)
+    folders = [tmp_path / "first", tmp_path / "again"]
+    for folder, resume in zip(folders, ([], ["--upstream-resume", str(folders[0])])):
+        folder.mkdir()
+        done = _pytest(tmp_path, "test_upstream.py", "--upstream-counts", str(folder / "cases.json"), "--junitxml",
+                       str(folder / "flash-attn-tests.xml"), *resume)
+    assert "1 failed" in done.stdout and "passed" not in done.stdout, done.stdout[-2000:]
+    counts = json.loads((folders[1] / "cases.json").read_text())["functions"]["test_output"]
+    assert counts == {"in_scope": 300, "run": 1, "resumed": 299}
+    assert ledger(folders)["totals"] == {"passed": 299, "failed": 1, "error": 0, "skipped": 0}
+
+
+SHORT_OF_MEMORY = '''
+from pathlib import Path
+
+
+def _tried(name):
+    tries = Path(name)
+    tries.write_text((tries.read_text() if tries.exists() else "") + "x")
+    return len(tries.read_text())
+
+
+def test_short_of_memory_twice():
+    if _tried("short") <= 2:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_wrong():
+    _tried("wrong")
+    assert False, "wrong everywhere"
+'''
+
+
+def test_a_case_short_of_device_memory_runs_again(tmp_path):
+    """With `--upstream-memory-retries 2` a case that runs out of memory twice passes on its third try, each retry in
+    its junit record; a plain failure runs once; without the option the first shortage fails the case."""
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_shim.shard_reports import read_shard
+
+    (tmp_path / "test_upstream.py").write_text(SHORT_OF_MEMORY)
+    (tmp_path / "cases.json").write_text(json.dumps({"sample_one_in": 1, "functions": {}}))
+    done = _pytest(tmp_path, "test_upstream.py", "--upstream-memory-retries", "2", "--junitxml",
+                   "flash-attn-tests.xml")
+    assert "1 failed, 1 passed" in done.stdout, done.stdout[-2000:]
+    assert (tmp_path / "short").read_text() == "xxx" and (tmp_path / "wrong").read_text() == "x"
+    assert read_shard(tmp_path)["memory_retries"] == {"test_upstream::test_short_of_memory_twice": 2}
+    (tmp_path / "short").unlink()
+    done = _pytest(tmp_path, "test_upstream.py")
+    assert "2 failed" in done.stdout and (tmp_path / "short").read_text() == "x", done.stdout[-2000:]
 
 
 def _shard_folder(folder, sample: int, in_scope: dict, cases: list[tuple[str, float, str]], compiles=()):
