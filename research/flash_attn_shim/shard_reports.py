@@ -41,6 +41,8 @@ def read_shard(folder: Path) -> dict:
     outcomes, seconds, memory_retries = {}, {}, {}
     with report:
         for case in ElementTree.parse(report).iter("testcase"):
+            if case.get("name") is None:  # a case in flight when the run was interrupted: junit names none
+                continue
             name = f"{case.get('classname')}::{_WORKER_GROUP.sub('', case.get('name'))}"
             outcomes[name] = _outcome(case)
             seconds[name] = float(case.get("time", 0.0))

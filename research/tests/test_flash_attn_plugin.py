@@ -287,12 +287,15 @@ def _shard_folder(folder, sample: int, in_scope: dict, cases: list[tuple[str, fl
 
 
 def test_the_ledger_projects_the_time_of_the_cases_left(tmp_path):
-    """Each function's cases left at its mean time per reported case; a function with none reported is not guessed."""
+    """Each function's cases left at its mean time per reported case; a function with none reported is not guessed,
+    nor the nameless record junit writes for a case in flight when the run was interrupted."""
     sys.path.insert(0, str(SHIM.parent))
     from flash_attn_ledger import ledger
 
     _shard_folder(tmp_path, 2, {"test_output": 5, "test_kvcache": 3},
                   [("test_output[0]", 1.5, ""), ("test_output[1]", 2.5, "<failure message='x'/>")])
+    report = tmp_path / "flash-attn-tests.xml"
+    report.write_text(report.read_text().replace("</testsuite>", "<testcase time='0.001'/></testsuite>"))
     result = ledger([tmp_path])
     assert result["functions"]["test_output"]["worker_seconds"] == 4.0
     assert result["worker_seconds"] == 4.0 and result["worker_seconds_left"] == 3 * 2.0
