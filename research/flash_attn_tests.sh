@@ -13,6 +13,8 @@
 # RESUME="DIR..." (earlier runs' output folders of the same shard) leaves out the cases they reported passed or skipped,
 # so that a shard cut short by its call's limit goes on where it stopped and its failures run again
 # (research/flash_attn_ledger.py adds a shard's runs up, the last report of a case counting).
+# The workers share Triton's cache through research/flash_attn_shim/compile_once.py, under which one worker compiles a
+# kernel that several miss at once and the others wait and load it (COMPILE_ONCE=0: Triton's own manager).
 # MEMORY_RETRIES=N (default 8): each case frees its cached device memory when it ends, and a case that runs out of
 # device memory, which 16 workers on one GPU can, runs again after a pause, up to N times (0: neither).
 # WORKER_GROUPS=PARAMS (say d,dtype,causal,local,softcap,mha_type,paged_kv_block_size,new_kv) sends the cases sharing
@@ -36,6 +38,7 @@ groups=${WORKER_GROUPS:-}
 resume=()
 for folder in ${RESUME:-}; do resume+=(--upstream-resume "$(cd "$folder" && pwd)"); done
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
+[ "${COMPILE_ONCE:-1}" = 0 ] || export TRITON_CACHE_MANAGER=compile_once:CompileOnceCacheManager
 ${LIMIT_S:+timeout -s INT -k 60 $LIMIT_S} python3 -m pytest "$FLASH_ATTN_REPO/tests/test_flash_attn.py" -o addopts= -p upstream_cases -p no:cacheprovider \
   --rootdir "$PWD" \
   -n "${WORKERS:-16}" --max-worker-restart 256 -v -rf --tb=line --timeout 300 --durations 40 \
