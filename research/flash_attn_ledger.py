@@ -21,16 +21,16 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from flash_attn_shim.shard_reports import read_shard
+from flash_attn_shim.shard_reports import OUT_OF_MEMORY, read_shard
 
 OUTCOMES = ("passed", "failed", "error", "skipped")
 
 
 def _added(earlier: dict, later: dict) -> dict:
     """Two runs of one shard as one: each case as the later run reported it, else as the earlier did."""
-    retried = {case: n for case, n in earlier["memory_retries"].items() if case not in later["outcomes"]}
     return {**later, **{part: {**earlier[part], **later[part]} for part in ("outcomes", "seconds", "compiles")},
-            "memory_retries": {**retried, **later["memory_retries"]}}
+            **{part: {**{case: value for case, value in earlier[part].items() if case not in later["outcomes"]},
+                      **later[part]} for part in ("memory_retries", "messages")}}
 
 
 def ledger(folders: list[Path]) -> dict:
@@ -76,7 +76,24 @@ def ledger(folders: list[Path]) -> dict:
             "compile_seconds": round(sum(f["compile_seconds"] for f in functions.values()), 3),
             "worker_seconds_left": round(left, 3),
             "memory_retried": sum(len(shard["memory_retries"]) for shard in shards.values()),
+            "failures_by_cause": _failures_by_cause(shards.values()),
             "functions": functions, "kernels": kernels}
+
+
+def _failures_by_cause(shards) -> dict:
+    """The failed and errored cases as the last run reported them: how many ran out of device memory (or lost their
+    worker to it), and every other one by name with its message."""
+    short, other = 0, {}
+    for shard in shards:
+        for case, outcome in shard["outcomes"].items():
+            if outcome not in ("failed", "error"):
+                continue
+            message = shard["messages"].get(case, "")
+            if any(marker in message for marker in OUT_OF_MEMORY):
+                short += 1
+            else:
+                other[case] = message[:300]
+    return {"out_of_memory": short, "other": len(other), "other_cases": dict(sorted(other.items()))}
 
 
 def _kernels(records) -> dict:
@@ -113,6 +130,9 @@ def main() -> None:
     print(f"worker-seconds so far {result['worker_seconds']:.0f}; the cases left, at each function's mean so far: "
           f"{result['worker_seconds_left']:.0f} (functions with no case reported yet not counted)")
     print(f"cases run again after running out of device memory: {result['memory_retried']}")
+    causes = result["failures_by_cause"]
+    print(f"failed or errored as last reported: {causes['out_of_memory']} out of device memory, {causes['other']} "
+          "otherwise" + "".join(f"\n  {case}: {message}" for case, message in list(causes["other_cases"].items())[:20]))
     print(f"of the worker-seconds, compiling Triton kernels: {result['compile_seconds']:.0f} (where the shards wrote "
           "compiles.jsonl)")
     for name, row in sorted(result["kernels"].items()):

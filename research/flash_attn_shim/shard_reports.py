@@ -9,6 +9,9 @@ import re
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+OUT_OF_MEMORY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+"""What an error's message holds when the device ran short of memory (PyTorch's allocator, a kernel launch, cuBLAS)."""
+
 _WORKER_GROUP = re.compile(r"@g[0-9a-f]{8}$")
 """The suffix pytest-xdist's `--dist loadgroup` gives a case's id (`upstream_cases.worker_group`)."""
 
@@ -22,29 +25,34 @@ def _open(folder: Path, name: str):
     return None
 
 
-def _outcome(case: ElementTree.Element) -> str:
+def _outcome(case: ElementTree.Element) -> tuple[str, str]:
+    """The case's outcome, and for a failure or an error its message."""
     for child, outcome in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
-        if case.find(child) is not None:
-            return outcome
-    return "passed"
+        element = case.find(child)
+        if element is not None:
+            return outcome, element.get("message", "") if outcome in ("failed", "error") else ""
+    return "passed", ""
 
 
 def read_shard(folder: Path) -> dict:
     """One run's sample size, shard number and grouping, cases in scope per function, and per case id
     (`classname::name`, as the junit report names it, without a worker group's suffix) its outcome, seconds and
-    Triton compiles, and the cases run again after running out of device memory (how many times)."""
+    Triton compiles; the cases run again after running out of device memory (how many times), and each failure's or
+    error's message."""
     folder = Path(folder)
     cases = json.loads((folder / "cases.json").read_text())
     report = _open(folder, "flash-attn-tests.xml")
     if report is None:
         raise FileNotFoundError(f"{folder}: no flash-attn-tests.xml (or .xml.gz)")
-    outcomes, seconds, memory_retries = {}, {}, {}
+    outcomes, seconds, memory_retries, messages = {}, {}, {}, {}
     with report:
         for case in ElementTree.parse(report).iter("testcase"):
             if case.get("name") is None:  # a case in flight when the run was interrupted: junit names none
                 continue
             name = f"{case.get('classname')}::{_WORKER_GROUP.sub('', case.get('name'))}"
-            outcomes[name] = _outcome(case)
+            outcomes[name], message = _outcome(case)
+            if message:
+                messages[name] = message
             seconds[name] = float(case.get("time", 0.0))
             retries = sum(p.get("name") == "memory_retry" for p in case.iter("property"))
             if retries:
@@ -59,4 +67,4 @@ def read_shard(folder: Path) -> dict:
     return {"sample": cases["sample_one_in"], "shard": cases.get("shard", 0), "shard_by": cases.get("shard_by"),
             "in_scope": {name: counts["in_scope"] for name, counts in cases["functions"].items()},
             "outcomes": outcomes, "seconds": seconds, "compiles": compiles,
-            "memory_retries": memory_retries}
+            "memory_retries": memory_retries, "messages": messages}

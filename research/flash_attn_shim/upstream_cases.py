@@ -62,12 +62,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from shard_reports import read_shard
+from shard_reports import OUT_OF_MEMORY, read_shard
 
 PRIVATE_ENTRY_POINTS = ("test_flash_attn_varlen_paged_kv_num_splits", "test_flash_attn_generator_arg_must_be_none")
 CONTEXT_LOST = ("illegal memory access", "illegal address", "unspecified launch failure", "CUDA error: misaligned",
                 "device-side assert")
-OUT_OF_MEMORY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 MEMORY_PAUSE_S = 1.0  # before a case's first retry, growing with each: other workers' cases finish meanwhile
 _failures_path = None  # `--upstream-failures`, read at configure time (a report hook gets no config)
 _controller = False  # pytest-xdist's controller: its workers record their own failures, it records their crashes

@@ -302,6 +302,20 @@ def test_the_ledger_projects_the_time_of_the_cases_left(tmp_path):
     assert result["totals"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 0}
 
 
+def test_the_ledger_tells_failures_short_of_memory_from_the_others(tmp_path):
+    """A failure that ran out of device memory is counted as such; any other is named with its message."""
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_ledger import ledger
+
+    _shard_folder(tmp_path, 1, {"test_output": 3}, [
+        ("test_output[0]", 1.0, "<failure message='torch.OutOfMemoryError: CUDA out of memory. Tried to allocate'/>"),
+        ("test_output[1]", 1.0, "<failure message='AssertionError: dq off by 0.5'/>"),
+        ("test_output[2]", 1.0, "")])
+    causes = ledger([tmp_path])["failures_by_cause"]
+    assert causes == {"out_of_memory": 1, "other": 1,
+                      "other_cases": {"tests.test_flash_attn::test_output[1]": "AssertionError: dq off by 0.5"}}
+
+
 LOST_CONTEXT = '''
 import os
 
