@@ -17,10 +17,6 @@
 # kernel that several miss at once and the others wait and load it (COMPILE_ONCE=0: Triton's own manager).
 # MEMORY_RETRIES=N (default 8): each case frees its cached device memory when it ends, and a case that runs out of
 # device memory, which 16 workers on one GPU can, runs again after a pause, up to N times (0: neither).
-# WORKER_GROUPS=PARAMS (say d,dtype,causal,local,softcap,mha_type,paged_kv_block_size,new_kv) sends the cases sharing
-# those parameters' values to one worker (pytest-xdist's loadgroup), so that no two workers compile one kernel at once.
-# Off by default: under loadgroup a case that loses the CUDA context (its worker exits, above) is run again in each
-# fresh worker until --max-worker-restart runs out.
 # The rootdir is fixed at the current folder: shards by hash hash the cases' node ids, which pytest writes relative to
 # it, and pytest would otherwise move it to hold every existing path among the arguments (a RESUME folder's, say).
 # LIMIT_S=S interrupts pytest after S seconds as Ctrl-C would, so that a run cut short still writes its junit XML (each
@@ -34,7 +30,6 @@ sample=${3:-1}
 shift $(($# < 3 ? $# : 3))
 mkdir -p "$out"
 export FLASH_ATTN_REPO=$(cd "$repo" && pwd)
-groups=${WORKER_GROUPS:-}
 resume=()
 for folder in ${RESUME:-}; do resume+=(--upstream-resume "$(cd "$folder" && pwd)"); done
 export PYTHONPATH=$PWD:$PWD/research/flash_attn_shim${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
@@ -45,7 +40,7 @@ ${LIMIT_S:+timeout -s INT -k 60 $LIMIT_S} python3 -m pytest "$FLASH_ATTN_REPO/te
   --upstream-sample "$sample" \
   --upstream-shard "${SHARD:-0}" ${SHARD_BY:+--upstream-shard-by "$SHARD_BY"} ${resume[@]+"${resume[@]}"} \
   --upstream-counts "$out/cases.json" --upstream-failures "$out/failures.jsonl" \
-  --upstream-compiles "$out/compiles.jsonl" --upstream-memory-retries "${MEMORY_RETRIES:-8}" ${groups:+--dist loadgroup --upstream-worker-groups "$groups"} \
+  --upstream-compiles "$out/compiles.jsonl" --upstream-memory-retries "${MEMORY_RETRIES:-8}" \
   --junitxml "$out/flash-attn-tests.xml" $([ "${TILES:-fixed}" = fixed ] && echo --upstream-fixed-tiles) "$@" > "$out/flash-attn-tests.log" 2>&1
 status=$?
 grep -oE "(PASSED|FAILED|SKIPPED|ERROR) [^ ]+::[a-z_]+" "$out/flash-attn-tests.log" | sort | uniq -c

@@ -13,7 +13,8 @@ OUT_OF_MEMORY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 """What an error's message holds when the device ran short of memory (PyTorch's allocator, a kernel launch, cuBLAS)."""
 
 _WORKER_GROUP = re.compile(r"@g[0-9a-f]{8}$")
-"""The suffix pytest-xdist's `--dist loadgroup` gives a case's id (`upstream_cases.worker_group`)."""
+"""The suffix pytest-xdist's `--dist loadgroup` gave a case's id in runs that sent groups of cases to one worker
+(`results/drop-ins` holds such runs): left out, so that a case has one name in every run."""
 
 
 def _open(folder: Path, name: str):

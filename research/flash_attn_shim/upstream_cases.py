@@ -27,14 +27,6 @@ it ends, and a case that runs out of device memory (16 workers share one GPU; th
 again after a pause, up to N times. Each retry is written into the case's junit record as a `memory_retry` property,
 so the ledger counts the cases that needed one.
 
-`--upstream-worker-groups PARAMS` (with pytest-xdist's `--dist loadgroup`) sends the cases that share those
-parameters' values to one worker (`xdist_group`): cases that build the same kernels then build them one after another
-in one process, where under plain load balancing several workers compiled the same kernel at once (a quarter of a
-grouped shard's compiles). pytest-xdist appends the group to each node id (`...]@g1234abcd`); the reports read back
-(`shard_reports`) leave it out. Under loadgroup pytest-xdist puts a crashed worker's group back whole, so a case
-that loses the CUDA context runs again in each fresh worker until `--max-worker-restart` runs out: use the groups
-where no such case is expected.
-
 `--upstream-counts FILE` writes, per test function, the cases in scope, the cases run and the cases left out as
 passed or skipped by an earlier run (`resumed`) as JSON (under
 pytest-xdist the workers collect, and each writes the same file). `--upstream-failures FILE` appends one JSON line
@@ -87,8 +79,6 @@ def pytest_addoption(parser):
                      "are left out; repeatable")
     parser.addoption("--upstream-memory-retries", type=int, default=0, help="free each case's cached device memory "
                      "when it ends, and run a case that ran out of device memory again, up to this many times")
-    parser.addoption("--upstream-worker-groups", default=None, help="with pytest-xdist's --dist loadgroup, send the "
-                     "cases that share these comma-separated parameters' values to one worker")
     parser.addoption("--upstream-counts", default=None, help="write the per-function counts to this JSON file")
     parser.addoption("--upstream-failures", default=None, help="append each failure to this JSON-lines file")
     parser.addoption("--upstream-fixed-tiles", action="store_true", help="launch the kernels untuned, at their "
@@ -137,12 +127,6 @@ def _settled(folders, shard: dict) -> set[str]:
     return {name for name, outcome in outcomes.items() if outcome in ("passed", "skipped")}
 
 
-def worker_group(item, names: tuple[str, ...]) -> str:
-    """The `xdist_group` of a case: a name for its values of `names`."""
-    return f"g{zlib.crc32(repr(_group(item, names)).encode()):08x}"
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (and appends them to the node ids)
 def pytest_collection_modifyitems(config, items):
     every, whole = config.getoption("--upstream-sample"), config.getoption("--upstream-whole")
     shard = config.getoption("--upstream-shard")
@@ -173,11 +157,6 @@ def pytest_collection_modifyitems(config, items):
                        "functions": {name: {"in_scope": n, "run": config._upstream_counts[1][name],
                                             "resumed": resumed[name]}
                                      for name, n in sorted(per_function.items())}}, f, indent=1)
-    grouping = config.getoption("--upstream-worker-groups")
-    if grouping:
-        group_names = tuple(name.strip() for name in grouping.split(",") if name.strip())
-        for item in kept:
-            item.add_marker(pytest.mark.xdist_group(worker_group(item, group_names)))
     kept_ids = {id(item) for item in kept}
     dropped = [item for item in items if id(item) not in kept_ids]
     if dropped:

@@ -3,7 +3,6 @@ file with the same parameter names: what it deselects, what it samples, and the 
 
 import gzip
 import json
-import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -118,34 +117,6 @@ def test_shards_by_parameters_hold_whole_groups_and_partition_the_cases(tmp_path
     assert sorted(map(len, runs)) == [180, 180, 180]
     refused = _pytest(tmp_path, "test_upstream.py", "--upstream-sample", "3", "--upstream-shard-by", ",")
     assert refused.returncode != 0 and "--upstream-shard-by" in refused.stderr + refused.stdout
-
-
-def test_worker_groups_send_the_cases_that_share_their_values_to_one_worker(tmp_path):
-    """With --upstream-worker-groups d,dtype and --dist loadgroup, each (d, dtype) group's cases all run on one
-    worker; the report read back names the cases without pytest-xdist's group suffix, so that a run resumed from it
-    finds every case reported."""
-    sys.path.insert(0, str(SHIM))
-    from shard_reports import read_shard
-
-    (tmp_path / "test_upstream.py").write_text(GROUPED)
-    folder = tmp_path / "grouped"
-    folder.mkdir()
-    done = _pytest(tmp_path, "test_upstream.py", "-vv", "-n", "3", "--dist", "loadgroup", "--upstream-worker-groups",
-                   "d,dtype", "--upstream-counts", str(folder / "cases.json"), "--junitxml",
-                   str(folder / "flash-attn-tests.xml"))
-    workers = {}
-    for worker, case in re.findall(r"\[(gw\d+)\] \[ *\d+%\] PASSED (\S+)", done.stdout):
-        name = case.split("::")[-1]
-        group = (name.split("[")[1].split("@")[0].rstrip("]").split("-") + [None])[1:3]  # (d, dtype) or (d, None)
-        workers.setdefault(tuple(group), set()).add(worker)
-    assert len(workers) == 12 and all(len(w) == 1 for w in workers.values()), workers
-    assert len({w for ws in workers.values() for w in ws}) > 1  # the groups were spread over the workers
-    names = [case.split("::")[-1] for case in read_shard(folder)["outcomes"]]
-    assert len(names) == 540 and not any("@" in name for name in names), names[:3]
-    resumed = _pytest(tmp_path, "test_upstream.py", "--upstream-resume", str(folder), "--upstream-counts",
-                      str(tmp_path / "resumed.json"))
-    assert all(f["run"] == 0 for f in json.loads((tmp_path / "resumed.json").read_text())["functions"].values()), \
-        resumed.stdout[-2000:]
 
 
 def test_the_ledger_adds_up_the_shards(tmp_path):
@@ -284,6 +255,20 @@ def _shard_folder(folder, sample: int, in_scope: dict, cases: list[tuple[str, fl
         f"<testcase classname='tests.test_flash_attn' name='{n}' time='{t}'>{body}</testcase>" for n, t, body in cases)
         + "</testsuite></testsuites>")
     (folder / "compiles.jsonl").write_text("".join(json.dumps(record) + "\n" for record in compiles))
+
+
+def test_a_case_has_one_name_in_runs_with_and_without_worker_groups(tmp_path):
+    """Runs that sent groups of cases to one worker (pytest-xdist's loadgroup, as some stored runs did) suffixed each
+    case's id with its group; the reports read back leave the suffix out, in the junit report and the compiles."""
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_shim.shard_reports import read_shard
+
+    _shard_folder(tmp_path, 1, {"test_output": 1}, [("test_output[0]@g1234abcd", 1.0, "")],
+                  [{"case": "tests/test_flash_attn.py::test_output[0]@g1234abcd", "compiled": 1, "loaded": 0,
+                    "compile_s": 2.0}])
+    shard = read_shard(tmp_path)
+    assert list(shard["outcomes"]) == ["tests.test_flash_attn::test_output[0]"]
+    assert list(shard["compiles"]) == ["tests/test_flash_attn.py::test_output[0]"]
 
 
 def test_the_ledger_projects_the_time_of_the_cases_left(tmp_path):
