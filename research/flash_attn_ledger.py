@@ -8,8 +8,9 @@ multiplies the compiles.
 
 Each shard is one `research/flash_attn_tests.sh` output folder (its `cases.json` and `flash-attn-tests.xml`), run
 with the same SAMPLE N, the same SHARD_BY and its own SHARD K. A shard's runs add up, in the order given: a resumed
-run (RESUME) reports the cases its earlier runs did not pass or skip, and a case reported by several runs counts once, as the
-last of them reported it. Shards of another N or another SHARD_BY are refused, since they would overlap.
+run (RESUME) reports the cases its earlier runs did not pass or skip, and a case reported by several runs counts
+once, as the last of them reported it. Shards of another N or another SHARD_BY are refused, since they would
+overlap. Failures standing at the end are split by cause: out of device memory, or any other, named.
 
     python research/flash_attn_ledger.py OUT/shard-0 OUT/shard-1 ... --out results/drop-ins/flash-attn-ledger.json
 """
@@ -81,8 +82,8 @@ def ledger(folders: list[Path]) -> dict:
 
 
 def _failures_by_cause(shards) -> dict:
-    """The failed and errored cases as the last run reported them: how many ran out of device memory (or lost their
-    worker to it), and every other one by name with its message."""
+    """The failed and errored cases as the last run reported them: how many ran out of device memory, and every
+    other one (a worker lost, whatever the cause) by name with its message."""
     short, other = 0, {}
     for shard in shards:
         for case, outcome in shard["outcomes"].items():

@@ -250,7 +250,7 @@ def _retrying_on_memory(item, test, retries: int):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item):
     retries = item.config.getoption("--upstream-memory-retries")
-    if retries > 0:
+    if retries > 0 and isinstance(item, pytest.Function):
         item.obj = _retrying_on_memory(item, item.obj, retries)
 
 
