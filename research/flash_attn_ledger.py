@@ -22,7 +22,7 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from flash_attn_shim.shard_reports import OUT_OF_MEMORY, read_shard
+from flash_attn_shim.shard_reports import out_of_memory, read_shard
 
 OUTCOMES = ("passed", "failed", "error", "skipped")
 
@@ -90,7 +90,7 @@ def _failures_by_cause(shards) -> dict:
             if outcome not in ("failed", "error"):
                 continue
             message = shard["messages"].get(case, "")
-            if any(marker in message for marker in OUT_OF_MEMORY):
+            if out_of_memory(message):
                 short += 1
             else:
                 other[case] = message[:300]

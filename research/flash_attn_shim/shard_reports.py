@@ -9,8 +9,13 @@ import re
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-OUT_OF_MEMORY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
-"""What an error's message holds when the device ran short of memory (PyTorch's allocator, a kernel launch, cuBLAS)."""
+_OUT_OF_MEMORY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def out_of_memory(message: str) -> bool:
+    """Whether an error's message says the device ran short of memory (PyTorch's allocator, a kernel launch, cuBLAS)."""
+    return any(marker in message for marker in _OUT_OF_MEMORY)
+
 
 _WORKER_GROUP = re.compile(r"@g[0-9a-f]{8}$")
 """The suffix pytest-xdist's `--dist loadgroup` gave a case's id in runs that sent groups of cases to one worker

@@ -54,7 +54,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from shard_reports import OUT_OF_MEMORY, read_shard
+from shard_reports import out_of_memory, read_shard
 
 PRIVATE_ENTRY_POINTS = ("test_flash_attn_varlen_paged_kv_num_splits", "test_flash_attn_generator_arg_must_be_none")
 CONTEXT_LOST = ("illegal memory access", "illegal address", "unspecified launch failure", "CUDA error: misaligned",
@@ -220,10 +220,6 @@ def _kernel_record(src) -> dict:
     return {"kernel": src.name, "key": src.hash()[:16], "specialisation": specialisation(src)}
 
 
-def _out_of_memory(error: BaseException) -> bool:
-    return any(marker in str(error) for marker in OUT_OF_MEMORY)
-
-
 def _free_cached_memory() -> None:
     """Return the device memory PyTorch's caching allocator holds to the device, for the other workers' cases."""
     torch = sys.modules.get("torch")
@@ -239,7 +235,7 @@ def _retrying_on_memory(item, test, retries: int):
             try:
                 return test(*args, **kwargs)
             except Exception as error:
-                if attempt == retries or not _out_of_memory(error):
+                if attempt == retries or not out_of_memory(str(error)):
                     raise
                 item.user_properties.append(("memory_retry", str(error).splitlines()[0][:200]))
                 _free_cached_memory()
