@@ -2,9 +2,10 @@
 how many of them passed, failed, errored or were skipped, over every shard run so far, and the worker-seconds they
 took (pytest's time per case, summed): where the file's time goes, and how long the shards left would take. Where a
 shard wrote `compiles.jsonl` (its cases' Triton compiles), also the seconds spent compiling: what a warm Triton cache
-would save; and, where it lists each compile, how many distinct kernels were built (by Triton's cache key) and, per
-kernel, the runtime arguments whose specialisation (divisible by 16, equal to 1) differs between its builds: what
-multiplies the compiles.
+would save, and the worker-seconds of the cases that loaded kernels from that cache without compiling any: under the
+compile-once manager, time spent waiting for another worker's compile. Where it lists each compile, also how many
+distinct kernels were built (by Triton's cache key) and, per kernel, the runtime arguments whose specialisation
+(divisible by 16, equal to 1) differs between its builds: what multiplies the compiles.
 
 Each shard is one `research/flash_attn_tests.sh` output folder (its `cases.json` and `flash-attn-tests.xml`), run
 with the same SAMPLE N, the same SHARD_BY and its own SHARD K. A shard's runs add up, in the order given: a resumed
@@ -70,15 +71,25 @@ def ledger(folders: list[Path]) -> dict:
     left = sum((f["in_scope"] - sum(f[o] for o in OUTCOMES)) * seconds[name] / max(1, sum(f[o] for o in OUTCOMES))
                for name, f in functions.items() if sum(f[o] for o in OUTCOMES))
     kernels = _kernels(record for shard in shards.values() for record in shard["compiles"].values())
+    load_only = sum(_load_only_seconds(shard) for shard in shards.values())
     return {"sample_one_in": sample, "shards_run": sorted(shards), "shards_left": sorted(set(range(sample)) - set(shards)),
             "in_scope": sum(in_scope.values()), "reported": done,
             "totals": {o: sum(f[o] for f in functions.values()) for o in OUTCOMES},
             "worker_seconds": round(sum(seconds.values()), 3),
             "compile_seconds": round(sum(f["compile_seconds"] for f in functions.values()), 3),
+            "load_only_seconds": round(load_only, 3),
             "worker_seconds_left": round(left, 3),
             "memory_retried": sum(len(shard["memory_retries"]) for shard in shards.values()),
             "failures_by_cause": _failures_by_cause(shards.values()),
             "functions": functions, "kernels": kernels}
+
+
+def _load_only_seconds(shard) -> float:
+    """The seconds of the shard's cases that loaded kernels without compiling any. The junit report names a case
+    `classname::name`, the compile listing by node id (`path::name`): one test file, so the name alone joins them."""
+    seconds = {case.split("::")[-1]: s for case, s in shard["seconds"].items()}
+    return sum(seconds.get(case.split("::")[-1], 0.0) for case, record in shard["compiles"].items()
+               if record["compiled"] == 0 and record["loaded"] > 0)
 
 
 def _failures_by_cause(shards) -> dict:
@@ -136,6 +147,8 @@ def main() -> None:
           "otherwise" + "".join(f"\n  {case}: {message}" for case, message in list(causes["other_cases"].items())[:20]))
     print(f"of the worker-seconds, compiling Triton kernels: {result['compile_seconds']:.0f} (where the shards wrote "
           "compiles.jsonl)")
+    print(f"of the worker-seconds, cases that only loaded kernels from the disk cache (waits for other workers' "
+          f"compiles among them): {result['load_only_seconds']:.0f}")
     for name, row in sorted(result["kernels"].items()):
         varying = ", ".join(f"{label} in {n}" for label, n in row["varying"].items())
         print(f"{name}: {row['compiles']} compiles, {row['distinct']} distinct; specialised in some: {varying or '-'}")

@@ -395,6 +395,19 @@ def test_the_ledger_adds_up_the_compile_time(tmp_path):
     row = result["functions"]["test_output"]
     assert (row["compiled"], row["loaded"], row["compile_seconds"]) == (2, 1, 2.5)
     assert result["compile_seconds"] == 2.5 and result["worker_seconds"] == 6.0
+    assert result["load_only_seconds"] == 0
+
+
+def test_the_ledger_adds_up_the_time_of_cases_that_only_loaded(tmp_path):
+    """A case that loaded kernels without compiling any counts whole (under the compile-once manager its time holds
+    the wait for another worker's compile); one that compiled, or built nothing, does not."""
+    sys.path.insert(0, str(SHIM.parent))
+    from flash_attn_ledger import ledger
+
+    _shard_folder(tmp_path, 1, {"test_output": 3}, [(f"test_output[{n}]", 1.0 + n, "") for n in range(3)],
+                  [{"case": "tests/test_flash_attn.py::test_output[0]", "compiled": 1, "loaded": 2, "compile_s": 0.5},
+                   {"case": "tests/test_flash_attn.py::test_output[1]", "compiled": 0, "loaded": 3, "compile_s": 0.0}])
+    assert ledger([tmp_path])["load_only_seconds"] == 2.0
 
 
 def test_the_ledger_counts_distinct_kernels_and_what_varies_between_them(tmp_path):
