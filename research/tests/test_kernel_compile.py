@@ -352,3 +352,14 @@ def test_the_bias_vs_noise_arms_compile_for_sm90(arm, kernel):
     config = tuning.emulation_config(False, 64)
     ptx = compile_kernel(name, kernel, constexprs(name, kernel, 64, config, stats=kernel == "fwd"), config).asm["ptx"]
     assert not re.findall(r"\bfma\.rn\.f32", ptx)
+
+
+def test_triton_warp_specialises_a_loop_only_in_the_forms_the_study_found():
+    """`research/warp_specialize_forms.py`'s table, on the triton installed: 4 warps and the loop-invariant operand by
+    a descriptor specialise; that operand by pointers fails the pass; 8 warps compile unspecialised. Should Triton
+    lift a limit, this fails, and the dK/dV patch's premise (results/kernel-variants/) is to be measured again."""
+    from warp_specialize_forms import FORMS, compiles_specialised
+
+    assert compiles_specialised(FORMS["invariant tile by a descriptor"], 4) == "specialised"
+    assert compiles_specialised(FORMS["invariant tile by pointers"], 4) == "fails"
+    assert compiles_specialised(FORMS["invariant tile by a descriptor"], 8) == "not specialised"
