@@ -109,7 +109,7 @@ def compile_function(fn, consts: dict, options: dict, target: GPUTarget = SM90, 
 
 def memory_instructions(compiled) -> Counter:
     """How many of each global load, store and asynchronous copy (with its width) a kernel's PTX holds."""
-    return Counter(re.findall(r"^\s*(?:@%p\d+\s+)?((?:cp\.async\.c[ag]|ld\.global|st\.global)[\w.]*)",
+    return Counter(re.findall(r"^\s*(?:@!?%p\d+\s+)?((?:cp\.async\.c[ag]|ld\.global|st\.global)[\w.]*)",
                               compiled.asm["ptx"], re.MULTILINE))
 
 
