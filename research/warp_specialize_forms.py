@@ -59,6 +59,11 @@ def _form(A, B, L, C, N, BLOCK: tl.constexpr, INVARIANT_TMA: tl.constexpr, ROW_V
     tl.store(C + (pid * BLOCK + rows[:, None]) * BLOCK + rows[None, :], acc)
 
 
+def _specialisation(compiled) -> str:
+    """A specialised kernel sets its warp groups' register budgets (`setmaxnreg`); one warp group never does."""
+    return "specialised" if "setmaxnreg" in compiled.asm["ptx"] else "not specialised"
+
+
 def compiles_specialised(switches: dict, num_warps: int) -> str:
     """"specialised", "not specialised" (compiled as one warp group) or "fails" (Triton's pass raised)."""
     constexprs = {"BLOCK": BLOCK, "INVARIANT_TMA": False, "ROW_VECTOR": False, "TWO_LOOPS": False, **switches}
@@ -70,7 +75,7 @@ def compiles_specialised(switches: dict, num_warps: int) -> str:
         compiled = triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": 3})
     except RuntimeError:  # the warp-specialisation pass failed (it prints its module to stderr)
         return "fails"
-    return "specialised" if "setmaxnreg" in compiled.asm["ptx"] else "not specialised"
+    return _specialisation(compiled)
 
 
 def dkdv_rows() -> list[dict]:
@@ -97,8 +102,7 @@ def dkdv_rows() -> list[dict]:
                 except RuntimeError:
                     rows.append({**row, "result": "fails"})
                     continue
-                rows.append({**row, "result": "specialised" if "setmaxnreg" in compiled.asm["ptx"] else
-                             "not specialised", **resource_usage(compiled)})
+                rows.append({**row, "result": _specialisation(compiled), **resource_usage(compiled)})
     return rows
 
 
