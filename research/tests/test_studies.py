@@ -58,6 +58,32 @@ def test_attention_benchmark_summary_reprints_the_ratio_table_without_a_gpu(tmp_
     assert out[out.index("graph") + 1:out.index("graph") + 6] == ["2.00x", "0.95x", "5.0%", "5.0%", "10.00x"]
 
 
+def test_attention_ab_gives_time_after_over_before_per_round_and_for_the_mean(tmp_path):
+    def bench(name, sfa, cudnn):
+        rows = [{"shape": [4, 16, 4096, 128], "impl": "stableflash-sfa", "fwdbwd_tflops_cudagraph": sfa,
+                 "fwdbwd_tflops": None},
+                {"shape": [4, 16, 4096, 128], "impl": "sdpa-cudnn", "fwdbwd_tflops_cudagraph": cudnn}]
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": {}, "rows": rows}))
+        return str(path)
+
+    before = [bench("b1.json", 300.0, 450.0), bench("b2.json", 310.0, 450.0)]
+    after = [bench("a1.json", 400.0, 450.0), bench("a2.json", 310.0, 450.0)]
+    out = subprocess.run([sys.executable, str(ROOT / "research" / "attention_ab.py"), "--before", *before,
+                          "--after", *after, "--out", str(tmp_path / "ab.json")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    rows = {row["impl"]: row for row in json.loads((tmp_path / "ab.json").read_text())}
+    # time after / before is TFLOP/s before / after: the mean's (305 / 355) and each round's (300 / 400, 310 / 310)
+    assert rows["stableflash-sfa"]["time_ratio"] == pytest.approx(305 / 355)
+    assert rows["stableflash-sfa"]["round_ratios"] == pytest.approx([0.75, 1.0])
+    assert rows["sdpa-cudnn"]["time_ratio"] == pytest.approx(1.0)
+    assert set(r["column"] for r in rows.values()) == {"fwdbwd_tflops_cudagraph"}  # the eager column is empty
+    assert "0.859  0.750, 1.000" in out
+    short = subprocess.run([sys.executable, str(ROOT / "research" / "attention_ab.py"), "--before", *before,
+                            "--after", after[0]], capture_output=True, text=True, timeout=60)
+    assert short.returncode != 0 and "before, after: need as many rounds of each, got 2 and 1" in short.stderr
+
+
 def test_train_throughput_summary_judges_each_row_by_its_own_rounds_baseline(tmp_path):
     """Rounds interleaved on a drifting machine: each row against the latest baseline run before it, then the
     median, least and largest of those ratios per setting (an older JSON without the ratios is filled in)."""
