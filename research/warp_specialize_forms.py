@@ -10,8 +10,9 @@ diagonal, the tiles below it, the ragged end).
 With `--dkdv`, also our dK/dV kernel as the tree has it, at each candidate tile with TMA, D = 64 and 128, plain
 and SFA: specialised or not, its registers and spills (results/kernel-variants/ holds a patch that merges its loops
 into one specialised loop, to measure with this). With `--switches`, the kernel's other compile-time forms at each
-4-warp candidate tile: causal or not, a key mask, padded key tags, dQ by atomics (the forms a call can reach, which
-a specialised loop must survive too).
+candidate tile with TMA: causal or not, a key mask, padded key tags, dQ by atomics (the forms a call can reach,
+which a specialised loop must survive too). Both compile the package on the path: run them in a patched copy of
+the tree (PYTHONPATH=COPY) to study a patch.
 
     python research/warp_specialize_forms.py [--dkdv] [--switches] [--out results/kernel-variants/FILE.json]
 """
@@ -114,7 +115,7 @@ SWITCHES = tuple({"CAUSAL": causal, "MASK": mask, "PAD": pad, "ATOMIC_DQ": atomi
 
 
 def dkdv_switch_rows() -> list[dict]:
-    """Our plain dK/dV kernel at each 4-warp candidate tile under TMA, D = 64 and 128, in each form of `SWITCHES`:
+    """Our plain dK/dV kernel at each candidate tile under TMA, D = 64 and 128, in each form of `SWITCHES`:
     specialised, not, or "fails" (the pass aborts, which at run time fails the call)."""
     import torch
     from offline_compile import compile_kernel, constexprs
@@ -126,16 +127,16 @@ def dkdv_switch_rows() -> list[dict]:
     rows = []
     for head_dim in (64, 128):
         name = spec_name(resolve("fa2"), None, torch.bfloat16, head_dim, 4096)
-        for tile in (t for t in tuning.DKDV_CONFIGS if t.num_warps == 4):
-            config = triton.Config({**tile.kwargs, "TMA": True}, num_warps=4, num_stages=tile.num_stages)
+        for tile in tuning.DKDV_CONFIGS:
+            config = triton.Config({**tile.kwargs, "TMA": True}, num_warps=tile.num_warps, num_stages=tile.num_stages)
             for switches in SWITCHES:
                 consts = {**constexprs(name, "dkdv", head_dim, config), **switches}
                 try:
                     result = _specialisation(compile_kernel(name, "dkdv", consts, config))
                 except RuntimeError:
                     result = "fails"
-                rows.append({"head_dim": head_dim, **tile.kwargs, "num_stages": tile.num_stages, **switches,
-                             "result": result})
+                rows.append({"head_dim": head_dim, **tile.kwargs, "num_warps": tile.num_warps,
+                             "num_stages": tile.num_stages, **switches, "result": result})
     return rows
 
 
@@ -143,7 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dkdv", action="store_true", help="also our dK/dV kernel at its candidate tiles")
     parser.add_argument("--switches", action="store_true",
-                        help="also the dK/dV kernel's masks, padding and atomic dQ at its 4-warp tiles")
+                        help="also the dK/dV kernel's masks, padding and atomic dQ at its candidate tiles")
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args()
     rows = [{"form": form, "num_warps": warps, "result": compiles_specialised(switches, warps)}
@@ -158,8 +159,8 @@ def main() -> None:
     switched = dkdv_switch_rows() if args.switches else []
     for row in switched:
         forms = " ".join(f"{k}={int(row[k])}" for k in ("CAUSAL", "MASK", "PAD", "ATOMIC_DQ"))
-        print(f"dK/dV D={row['head_dim']} {row['BLOCK_M']}x{row['BLOCK_N']} {row['num_stages']} stages {forms}: "
-              f"{row['result']}")
+        print(f"dK/dV D={row['head_dim']} {row['BLOCK_M']}x{row['BLOCK_N']} {row['num_warps']} warps "
+              f"{row['num_stages']} stages {forms}: {row['result']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"triton": triton.__version__, "target": "sm_90", "forms": rows, "dkdv": kernel,
