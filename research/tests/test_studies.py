@@ -84,6 +84,26 @@ def test_attention_ab_gives_time_after_over_before_per_round_and_for_the_mean(tm
     assert short.returncode != 0 and "before, after: need as many rounds of each, got 2 and 1" in short.stderr
 
 
+def test_backward_forms_compare_pairs_each_tile_of_two_trees(tmp_path):
+    def row(kernel, tma, registers, spills):
+        return {"kernel": kernel, "head_dim": 128, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3,
+                "TMA": tma, "registers": registers, "spill_stack_bytes": spills, "shared_bytes": 1024, "wgmma": 72,
+                "ld_shared": 1, "st_shared": 2, "tma_loads": 3, "barriers": 4}
+
+    before = tmp_path / "before.json"
+    after = tmp_path / "after.json"
+    before.write_text(json.dumps({"rows": [row("dkdv", True, 255, 24), row("dkdv", False, 255, 80)]}))
+    after.write_text(json.dumps({"rows": [row("dkdv", True, 253, 0), row("dq", True, 200, 0)]}))
+    out = subprocess.run([sys.executable, str(ROOT / "research" / "backward_forms.py"), "--compare", str(before),
+                          str(after)], capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
+    # the dK/dV TMA tile is in both tables; the dq row has no before and the pointer row no after
+    assert len(out) == 2 and out[1].startswith("dkdv D=128 64x128 8w 3s TMA")
+    assert "255 -> 253" in out[1] and "24 -> 0" in out[1]
+    bad = subprocess.run([sys.executable, str(ROOT / "research" / "backward_forms.py"), "--kernels", "fwd", "--out",
+                          str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--kernels: unknown ['fwd']; expected dkdv, dq" in bad.stderr
+
+
 def test_train_throughput_summary_judges_each_row_by_its_own_rounds_baseline(tmp_path):
     """Rounds interleaved on a drifting machine: each row against the latest baseline run before it, then the
     median, least and largest of those ratios per setting (an older JSON without the ratios is filled in)."""
