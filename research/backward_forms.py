@@ -19,15 +19,15 @@ import re
 import sys
 from pathlib import Path
 
-PTX_COUNTS = {"wgmma": r"wgmma\.mma_async", "ld_shared": r"^\s*(?:@!?%p\d+\s+)?ld\.shared",
-              "st_shared": r"^\s*(?:@!?%p\d+\s+)?st\.shared", "tma_loads": r"cp\.async\.bulk\.tensor",
-              "barriers": r"\b(?:bar|barrier)\.sync\b"}
+PTX_COUNTS = {"wgmma": r"wgmma\.mma_async", "ld_shared": r"ld\.shared", "st_shared": r"st\.shared",
+              "tma_loads": r"cp\.async\.bulk\.tensor", "barriers": r"(?:bar|barrier)\.sync\b"}
+"""Instructions counted where they start a PTX line (after `offline_compile.INSTRUCTION_START`)."""
 
 
 def _forms(kernels: list[str]) -> list[dict]:
     import torch
     import triton
-    from offline_compile import compile_kernel, constexprs, resource_usage
+    from offline_compile import INSTRUCTION_START, compile_kernel, constexprs, resource_usage
 
     from stableflash.attention.precision import resolve
     from stableflash.attention.triton import tuning
@@ -46,7 +46,7 @@ def _forms(kernels: list[str]) -> list[dict]:
                     ptx = compiled.asm["ptx"]
                     rows.append({"kernel": kernel, "head_dim": head_dim, **tile.kwargs, "num_warps": tile.num_warps,
                                  "num_stages": tile.num_stages, "TMA": tma, **resource_usage(compiled),
-                                 **{key: len(re.findall(pattern, ptx, re.MULTILINE))
+                                 **{key: len(re.findall(INSTRUCTION_START + pattern, ptx, re.MULTILINE))
                                     for key, pattern in PTX_COUNTS.items()}})
     return rows
 

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline_compile import compile_kernel, constexprs, memory_instructions, resource_usage  # noqa: E402
+from offline_compile import INSTRUCTION_START, compile_kernel, constexprs, memory_instructions, resource_usage  # noqa: E402
 
 from stableflash.attention.precision import resolve  # noqa: E402
 from stableflash.attention.triton import tuning  # noqa: E402
@@ -38,7 +38,7 @@ TILES = {"fwd": tuning.config(128, 64, 8, 3, TMA=False), "dq": tuning.config(128
 
 
 def _instructions(compiled) -> int:
-    return len(re.findall(r"^\s*(?:@!?%p\d+\s+)?[a-z][\w.]*[ \t;]", compiled.asm["ptx"], re.MULTILINE))
+    return len(re.findall(INSTRUCTION_START + r"[a-z][\w.]*[ \t;]", compiled.asm["ptx"], re.MULTILINE))
 
 
 def compare(head_dim: int, kernel: str, masked: bool, names: tuple[str, ...]) -> dict:

@@ -107,9 +107,13 @@ def compile_function(fn, consts: dict, options: dict, target: GPUTarget = SM90, 
     return triton.compile(source, target=target, options=options)
 
 
+INSTRUCTION_START = r"^\s*(?:@!?%p\d+\s+)?"
+"""Where a PTX instruction starts (re.MULTILINE): a line's indent and its predicate, negated or not."""
+
+
 def memory_instructions(compiled) -> Counter:
     """How many of each global load, store and asynchronous copy (with its width) a kernel's PTX holds."""
-    return Counter(re.findall(r"^\s*(?:@!?%p\d+\s+)?((?:cp\.async\.c[ag]|ld\.global|st\.global)[\w.]*)",
+    return Counter(re.findall(INSTRUCTION_START + r"((?:cp\.async\.c[ag]|ld\.global|st\.global)[\w.]*)",
                               compiled.asm["ptx"], re.MULTILINE))
 
 
