@@ -356,7 +356,9 @@ def _group_heads(X, x_off, stride_h, stride_t, T, ROWS: tl.constexpr, HEAD_DIM: 
                  TMA: tl.constexpr):
     """Under TMA, one tensor descriptor of a group's GROUP heads of (T, HEAD_DIM) rows from X + x_off, in blocks of
     ROWS rows of one head (rows past T read as 0); else X itself."""
-    if TMA:
+    if TMA and GROUP == 1:
+        d = tl.make_tensor_descriptor(X + x_off, [T, HEAD_DIM], [stride_t, 1], [ROWS, HEAD_DIM])
+    elif TMA:
         d = tl.make_tensor_descriptor(X + x_off, [GROUP, T, HEAD_DIM], [stride_h, stride_t, 1], [1, ROWS, HEAD_DIM])
     else:
         d = X
@@ -368,7 +370,9 @@ def _group_rows(X, x_off, g, stride_h, start, stride_t, T, ROWS: tl.constexpr, H
                 TMA: tl.constexpr, D_IN: tl.constexpr):
     """Rows start..start+ROWS of the group's head g (`_group_heads`); rows past T read as 0, and a padded head
     dim's columns past D_IN."""
-    if TMA:
+    if TMA and len(X.block_shape) == 2:
+        t = X.load([start, 0])
+    elif TMA:
         t = tl.reshape(X.load([g, start, 0]), (ROWS, HEAD_DIM))
     else:
         t = load_rows(X + x_off + g * stride_h, start + tl.arange(0, ROWS), stride_t, T, HEAD_DIM, D_IN)
@@ -482,8 +486,14 @@ def _attn_bwd_dkdv(
     program = tl.program_id(0) if GROUP > 1 else tl.program_id(1)
     first = program * GROUP  # the first query head (batch·head) of the program
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_rows(K + kv_head_offset(first, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM, D_IN)
-    v = load_rows(V + kv_head_offset(first, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM, D_IN)
+    if TMA:
+        k = tl.make_tensor_descriptor(K + kv_head_offset(first, H, G, stride_kb, stride_kh), [TK, HEAD_DIM],
+                                      [stride_kt, 1], [BLOCK_N, HEAD_DIM]).load([pid_n * BLOCK_N, 0])
+        v = tl.make_tensor_descriptor(V + kv_head_offset(first, H, G, stride_vb, stride_vh), [TK, HEAD_DIM],
+                                      [stride_vt, 1], [BLOCK_N, HEAD_DIM]).load([pid_n * BLOCK_N, 0])
+    else:
+        k = load_rows(K + kv_head_offset(first, H, G, stride_kb, stride_kh), offs_n, stride_kt, TK, HEAD_DIM, D_IN)
+        v = load_rows(V + kv_head_offset(first, H, G, stride_vb, stride_vh), offs_n, stride_vt, TK, HEAD_DIM, D_IN)
     keep_row = KEEP + (first // H).to(tl.int64) * stride_keep
     ktags = key_tags(keep_row + T if SEG else keep_row, offs_n, TK, PAD)
     q_off = head_offset(first, H, stride_qb, stride_qh)  # the group's first query head; the others follow by stride
@@ -505,31 +515,38 @@ def _attn_bwd_dkdv(
                              GROUP=GROUP, CAUSAL=False, MASKED=True, TMA=TMA, MASK=True, SEG=SEG, SOFTCAP=SOFTCAP,
                              ATOMIC_DQ=ATOMIC_DQ, D_IN=D_IN)
     else:
-        # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
-        diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
-        free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
+        if ATOMIC_DQ:
+            # query tiles crossing the diagonal need the causal mask; later ones, all but the ragged end, do not.
+            # Merged into one masked loop, this form's wgmmas are serialised by ptxas (`research/tests/
+            # test_kernel_compile.py`), so it keeps the three loops
+            diag_end = tl.minimum((pid_n + 1) * BLOCK_N, T) if CAUSAL else lo
+            free_end = tl.maximum(diag_end, (T // BLOCK_M) * BLOCK_M)
+            dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC,
+                                 q_off=q_off, do_off=do_off, first=first, lo=lo, hi=diag_end, offs_n=offs_n, T=T,
+                                 stride_qh=stride_qh, stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot,
+                                 qk_scale=qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
+                                 stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
+                                 HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False,
+                                 SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, D_IN=D_IN)
+            dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC,
+                                 q_off=q_off, do_off=do_off, first=first, lo=diag_end, hi=free_end, offs_n=offs_n, T=T,
+                                 stride_qh=stride_qh, stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot,
+                                 qk_scale=qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
+                                 stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M,
+                                 HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL, MASKED=False, TMA=TMA, MASK=False,
+                                 SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ, D_IN=D_IN)
+            lo = free_end
+        # one masked loop over every query tile that sees the key tile (from `lo`): split into the diagonal's, the
+        # free and the ragged end's loops, the three copies of the body spilled at the picked D = 128 tile and ran
+        # ~5% slower (`results/kernel-variants/`)
         dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off,
-                             do_off=do_off, first=first, lo=lo, hi=diag_end, offs_n=offs_n, T=T, stride_qh=stride_qh,
-                             stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot, qk_scale=qk_scale, TK=T,
-                             LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags,
-                             softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL,
-                             MASKED=True, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
-                             D_IN=D_IN)
-        dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off,
-                             do_off=do_off, first=first, lo=diag_end, hi=free_end, offs_n=offs_n, T=T,
+                             do_off=do_off, first=first, lo=lo, hi=T, offs_n=offs_n, T=T,
                              stride_qh=stride_qh, stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot,
                              qk_scale=qk_scale, TK=T, LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row,
                              stride_keep=stride_keep, ktags=ktags, softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
-                             GROUP=GROUP, CAUSAL=CAUSAL, MASKED=False, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP,
+                             GROUP=GROUP, CAUSAL=CAUSAL, MASKED=True, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP,
                              ATOMIC_DQ=ATOMIC_DQ, D_IN=D_IN)
-        dk, dv = _dkdv_tiles(k=k, v=v, dk=dk, dv=dv, Q=QS, DO=DOS, LSE=LSE, DELTA=DELTA, DQ_ACC=DQ_ACC, q_off=q_off,
-                             do_off=do_off, first=first, lo=free_end, hi=T, offs_n=offs_n, T=T, stride_qh=stride_qh,
-                             stride_qt=stride_qt, stride_doh=stride_doh, stride_dot=stride_dot, qk_scale=qk_scale, TK=T,
-                             LEFT=LEFT, RIGHT=RIGHT, keep_row=keep_row, stride_keep=stride_keep, ktags=ktags,
-                             softcap=softcap, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, GROUP=GROUP, CAUSAL=CAUSAL,
-                             MASKED=True, TMA=TMA, MASK=False, SEG=False, SOFTCAP=SOFTCAP, ATOMIC_DQ=ATOMIC_DQ,
-                             D_IN=D_IN)
     out = head_offset(program, H // GROUP, stride_gb, stride_gh)
     store_rows(DK + out, dk * scale, offs_n, stride_gt, TK, HEAD_DIM, D_IN)
     store_rows(DV + out, dv, offs_n, stride_gt, TK, HEAD_DIM, D_IN)
