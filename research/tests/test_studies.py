@@ -131,6 +131,25 @@ def test_emulation_agreement_reports_bit_equal_fractions(tmp_path):
         assert all(0.95 <= row[what]["min"] <= row[what]["mean"] <= 1.0 for what in ("out", "dq", "dk", "dv"))
 
 
+def test_emulation_agreement_takes_the_official_rule_on_the_tests_tied_rows(tmp_path):
+    """The report's settings: the official rule, not causal, other tiles, the GPU tests' tied rows (one draw of dO
+    each); a shape with more than one batch row is refused for tied rows."""
+    out = tmp_path / "agreement.json"
+    command = [sys.executable, str(ROOT / "research" / "emulation_agreement.py"), "--draws", "2", "--variants", "fa2",
+               "--stabilize", "official", "--causal", "no", "--tiles", "64", "--inputs", "tied,tied-below-zero",
+               "--out", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([*command, "--shapes", "1,2,77,64"], env=env, capture_output=True, text=True, timeout=300,
+                   check=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["stabilize"], r["causal"], r["tiles"], r["inputs"]) for r in rows] == [
+        ("official", False, 64, "tied"), ("official", False, 64, "tied-below-zero")]
+    for row in rows:
+        assert all(len(row[what]["draws"]) == 2 and 0.5 <= row[what]["min"] <= 1.0 for what in ("out", "dq", "dk", "dv"))
+    refused = subprocess.run([*command, "--shapes", "2,2,77,64"], env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--shapes" in refused.stderr
+
+
 def test_dose_response_runs_its_arms_resumes_them_and_applies_its_rule(tmp_path):
     """Two arms of the study on the tiny CPU config (the reference backend: no GPU): a first call trains them to
     step 20 and checkpoints, the next resumes them to 40, one more is cut by its budget; `summarise` then writes one

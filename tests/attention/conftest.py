@@ -21,3 +21,16 @@ def tied_inputs(num_ties: int, T: int = 64, D: int = 32, heads: int = 4, magnitu
     q = w * scale / D**0.5
     v = -(torch.rand(heads, T, D, generator=g) * 2 + 0.5)  # one sign, as in the seed's V[:, 20]
     return tuple(t.unsqueeze(0).to(dtype) for t in (q, k, v))
+
+
+def tied_below_zero_inputs(num_ties: int, T: int, D: int, heads: int):
+    """Like `tied_inputs`, but every row's `num_ties` tied maximal scores are negative (SFA's m = 0 case): the other
+    keys are w scaled by more than 1, and each query a negative multiple of w."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(heads, 1, D, generator=g)
+    w = w / w.norm(dim=-1, keepdim=True) * D**0.5
+    k = w * (1.05 + torch.rand(heads, T, 1, generator=g) * 0.5)
+    k[:, :num_ties] = w
+    q = -w * (1 + torch.rand(heads, T, 1, generator=g)) / D**0.5
+    v = -(torch.rand(heads, T, D, generator=g) * 2 + 0.5)
+    return tuple(t.unsqueeze(0).to(torch.bfloat16) for t in (q, k, v))

@@ -16,7 +16,7 @@ from stableflash.attention.precision import PRESETS, SITES, resolve
 from stableflash.attention.stats import STAT_COLUMNS
 from stableflash.attention.triton import kernel_options
 from stableflash.numerics.formats import get_format
-from tests.attention.conftest import rel_err, tied_inputs
+from tests.attention.conftest import rel_err, tied_below_zero_inputs, tied_inputs
 from tests.attention.variants import EMULATED_VARIANTS, NARROW_VARIANTS, emulated_variant
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -47,8 +47,9 @@ def _attention(q, k, v, **kw):
 
 
 def _inputs(shape, dtype=torch.bfloat16, seed=None):
-    """Fresh random q, k, v on every call; the seed is printed, so a failure's captured output names it."""
-    seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+    """Fresh random q, k, v on every call, from a seed drawn from torch's generator (seeded afresh per test,
+    `tests/conftest.py`); the seed is printed, so a failure's captured output names it."""
+    seed = seed if seed is not None else int(torch.randint(2**31, ()))
     print(f"_inputs{tuple(shape)} {dtype}: seed {seed}")
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(*shape, generator=g).to(dtype).to(DEVICE).requires_grad_() for _ in range(3)]
@@ -123,7 +124,7 @@ def test_softcap_runs_in_the_kernels_within_twice_the_reference_error(case, stab
     """Gemma 2's cap, softcap · tanh(S / softcap), at a cap the scores reach (q scaled up): outputs and gradients
     within twice the reference's error against fp64 with the same cap, and the log-sum-exp of the capped scores."""
     Tq, Tk, causal, window, kv_heads = SOFTCAP_CASES[case]
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     D, cap = 16 if INTERPRET else 64, 5.0
@@ -155,7 +156,7 @@ def test_the_backward_adding_dq_with_atomics_is_within_twice_the_reference_error
     three gradients within twice the reference's error against fp64, dK and dV bit-equal to the default backward's
     (the same programs, the same order), the forward untouched."""
     Tq, Tk, causal, window, kv_heads, in_program, cap = ATOMIC_DQ_CASES[case]
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     D = 16 if INTERPRET else 64
@@ -345,7 +346,7 @@ def test_narrow_formats_round_as_the_reference_does_value_by_value():
 def _grouped_inputs(B, H, Tq, Tk, D, groups):
     """Fresh q (B, H, Tq, D), k and v (B, H / groups, Tk, D) and dO, and the generator after them (for masks); the
     seed is printed and returned, for the failure messages."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
@@ -516,7 +517,7 @@ def test_packed_sequences_run_in_one_kernel_call(causal, window, lengths, monkey
     q_offsets, k_offsets = ([0, *torch.tensor(n).cumsum(0).tolist()] for n in PACKED_LENGTHS[lengths])
     longest_q, longest_k = (max(n) for n in PACKED_LENGTHS[lengths])
     H, D = 4, 16 if INTERPRET else 64
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(q_offsets[-1], H, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
@@ -671,41 +672,52 @@ def test_stats_match_the_reference_and_count_ties(T, causal):
     assert sfa.pbar_ones.tolist() == sfa_ref.pbar_ones.tolist() == ([1, 1] if causal else [0, 0])
 
 
-def _tied_below_zero_inputs(num_ties: int, T: int, D: int, heads: int):
-    """Like `tied_inputs`, but every row's `num_ties` tied maximal scores are negative (SFA's m = 0 case): the other
-    keys are w scaled by more than 1, and each query a negative multiple of w."""
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(heads, 1, D, generator=g)
-    w = w / w.norm(dim=-1, keepdim=True) * D**0.5
-    k = w * (1.05 + torch.rand(heads, T, 1, generator=g) * 0.5)
-    k[:, :num_ties] = w
-    q = -w * (1 + torch.rand(heads, T, 1, generator=g)) / D**0.5
-    v = -(torch.rand(heads, T, D, generator=g) * 2 + 0.5)
-    return tuple(t.unsqueeze(0).to(torch.bfloat16) for t in (q, k, v))
-
-
 @pytest.mark.parametrize("tiles", [512, 64], ids=["the official tiles", "several tiles per row"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("precision", ["paper", "fa2"])
 def test_the_official_sfa_rule_is_the_references_bit_for_bit(precision, causal, tiles):
     """`SFA.official()` in the emulation kernels (under fa2's numerics too): its near-maximum test, and tiles no row of
     the query tile sees visited (m = max(m, 0) there), on random rows (some with a negative maximum) and on tied ones,
-    at odd lengths; outputs and gradients bit for bit with the reference, and the statistics' counts equal."""
+    at odd lengths; outputs and gradients bit for bit with the reference, and the statistics' counts equal.
+
+    Tied rows' gradients are sums that cancel (every query, or every key, a multiple of one vector), so the kernel's
+    and torch's summation orders show in their last bits more often than on random rows: over 40 draws of dO on an
+    H100 their dK matched in 75.6-100% of entries, where random rows' gradients matched in >= 98%
+    (`results/emulation-agreement/`). Without the rule, tied rows' gradients fall below their bar of 60%
+    (`test_the_tied_rows_bar_tells_a_missing_rule`), so it still tells a wrong rule from a different order."""
     policy = resolve(precision).replace(block_m=tiles, block_n=tiles)
     official = SFA.official()
     tied = [tuple(t.to(DEVICE).requires_grad_() for t in make(3, T=77, D=64, heads=2))
-            for make in (tied_inputs, _tied_below_zero_inputs)]
-    for inputs in (_inputs((1, 2, 130 if INTERPRET else 1100, 64)), *tied):
+            for make in (tied_inputs, tied_below_zero_inputs)]
+    random_rows = _inputs((1, 2, 130 if INTERPRET else 1100, 64))
+    for inputs in (random_rows, *tied):
         dout = torch.randn(inputs[0].shape, device=DEVICE).to(torch.bfloat16)
         stats, ref_stats = AttentionStats(2), AttentionStats(2)
         ours = _run(functools.partial(_attention, causal=causal, precision=policy, stabilize=official, stats=stats),
                     *inputs, dout)
         ref = _run(functools.partial(flash_attention, causal=causal, precision=policy, stabilize=official,
                                      backend="reference", stats=ref_stats), *inputs, dout)
+        gradient_bar = 0.80 if inputs is random_rows else 0.60
         for what, a, r in zip(["out", "dq", "dk", "dv"], ours, ref):
             equal = (a == r).float().mean().item()
-            assert equal >= (0.95 if what == "out" else 0.80), (what, equal)
+            assert equal >= (0.95 if what == "out" else gradient_bar), (what, equal, inputs is random_rows)
         assert stats.counts.tolist() == ref_stats.counts.tolist()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("precision", ["paper", "fa2"])
+def test_the_tied_rows_bar_tells_a_missing_rule(precision, causal):
+    """The kernels without SFA against the reference with its official rule, on the tied rows of
+    `test_the_official_sfa_rule_is_the_references_bit_for_bit`: dQ and dK each match in under its 60% bar."""
+    policy = resolve(precision).replace(block_m=64, block_n=64)
+    for make in (tied_inputs, tied_below_zero_inputs):
+        inputs = tuple(t.to(DEVICE).requires_grad_() for t in make(3, T=77, D=64, heads=2))
+        dout = torch.randn(inputs[0].shape, device=DEVICE).to(torch.bfloat16)
+        ours = _run(functools.partial(_attention, causal=causal, precision=policy, stabilize=None), *inputs, dout)
+        ref = _run(functools.partial(flash_attention, causal=causal, precision=policy, stabilize=SFA.official(),
+                                     backend="reference"), *inputs, dout)
+        for what, a, r in list(zip(["out", "dq", "dk", "dv"], ours, ref))[1:3]:
+            assert (a == r).float().mean().item() < 0.60, (make.__name__, what)
 
 
 @pytest.mark.parametrize("bits", [4, 3])
@@ -1071,7 +1083,7 @@ def test_head_dims_between_the_kernels_run_zero_padded_and_exact(heads, stabiliz
 
     D, width = NARROW_HEADS[heads]
     kv_heads = 2 if "GQA" in heads else 4
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     # a model's heads: (B, T, H, D) in memory, viewed as (B, H, T, D)
@@ -1114,7 +1126,7 @@ def test_stride8_is_stated_where_every_row_stride_is_a_multiple_of_8_and_triton_
     assert launch._head_dims(heads(80, 80)) == (128, {"D_IN": 80})  # 16 divides every stride: Triton sees it
     assert launch._head_dims(heads(64, 64)) == (64, {})
 
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 37, 2, 44, generator=g).to(torch.bfloat16).to(DEVICE)[..., :40].transpose(1, 2)
                .requires_grad_() for _ in range(3))
@@ -1164,7 +1176,7 @@ def test_padding_inside_the_kernels_gives_padding_by_hands_bits_with_every_featu
     from stableflash.attention import triton as backend
     from stableflash.attention.triton import launch
 
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
 
