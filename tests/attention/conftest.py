@@ -1,6 +1,12 @@
 import torch
 
 
+def fresh_seed() -> int:
+    """A seed for a test's own generators, drawn from torch's global one, which `tests/conftest.py` seeds afresh for
+    each test: `STABLEFLASH_TEST_SEED` replays it."""
+    return int(torch.randint(2**31, ()))
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()

@@ -10,6 +10,7 @@ import torch
 
 from stableflash.attention import flash_attention, flash_attn_with_kvcache
 from stableflash.numerics.formats import get_format
+from tests.attention.conftest import fresh_seed
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = [
@@ -99,7 +100,7 @@ def _check(ours, ref, exact, what, seed, dtype, ulps=1, slack=0.0):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_decoding_is_within_twice_the_references_error(case):
     B, Tq, H, H_kv, D, causal, window, softcap, paged, leftpad = case
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     dtype = torch.bfloat16
     cache = _Cache(B, Tq, H, H_kv, D, paged, leftpad, dtype, seed)
     exact_out, exact_lse = _per_sequence(cache, "fp64", causal, window, softcap)
@@ -164,7 +165,7 @@ def decoding_calls(monkeypatch):
 @pytest.mark.skipif(INTERPRET, reason="the drop-ins route to the kernel on CUDA tensors")
 @pytest.mark.parametrize("paged", [False, True])
 def test_kvcache_decoding_on_the_gpu_takes_the_kernel_and_matches_the_reference_path(paged, decoding_calls):
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     cache = _Cache(3, 1, 8, 2, 128, paged, False, torch.bfloat16, seed).on(DEVICE)
     kwargs = dict(cache_seqlens=cache.seen, cache_batch_idx=None if paged else cache.rows, block_table=cache.table,
                   causal=True, return_softmax_lse=True)
@@ -178,7 +179,7 @@ def test_kvcache_decoding_on_the_gpu_takes_the_kernel_and_matches_the_reference_
 
 @pytest.mark.skipif(INTERPRET, reason="flash_attention routes to the kernel on CUDA tensors")
 def test_flash_attention_decodes_in_the_kernel_only_without_gradients(decoding_calls):
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 8, 1, 64, generator=g).to(DEVICE, torch.bfloat16)
     k, v = (torch.randn(2, 2, 777, 64, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
@@ -200,7 +201,7 @@ def test_kvcache_calls_reach_the_kernel_with_each_sequences_span(form, monkeypat
     reference path: the new keys written first, lengths, left padding, pages and picked cache rows."""
     import stableflash.attention.flash_attn as dropins
 
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     paged = form.startswith("pages")
     cache = _Cache(3, 2, 8, 2, 64, paged, False, torch.bfloat16, seed).on(DEVICE)
     g = torch.Generator().manual_seed(seed)
@@ -231,7 +232,7 @@ def test_many_splits_are_combined_a_block_at_a_time(monkeypatch):
     from stableflash.attention.triton import decoding
 
     monkeypatch.setattr(decoding, "_programs_to_fill", lambda device: 100)
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 2, 4, 16, generator=g).to(torch.bfloat16)
     k, v = (torch.randn(1, 2600, 1, 16, generator=g).to(torch.bfloat16) for _ in range(2))

@@ -16,7 +16,7 @@ from stableflash.attention.precision import PRESETS, SITES, resolve
 from stableflash.attention.stats import STAT_COLUMNS
 from stableflash.attention.triton import kernel_options
 from stableflash.numerics.formats import get_format
-from tests.attention.conftest import rel_err, tied_below_zero_inputs, tied_inputs
+from tests.attention.conftest import fresh_seed, rel_err, tied_below_zero_inputs, tied_inputs
 from tests.attention.variants import EMULATED_VARIANTS, NARROW_VARIANTS, emulated_variant
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -49,7 +49,7 @@ def _attention(q, k, v, **kw):
 def _inputs(shape, dtype=torch.bfloat16, seed=None):
     """Fresh random q, k, v on every call, from a seed drawn from torch's generator (seeded afresh per test,
     `tests/conftest.py`); the seed is printed, so a failure's captured output names it."""
-    seed = seed if seed is not None else int(torch.randint(2**31, ()))
+    seed = seed if seed is not None else fresh_seed()
     print(f"_inputs{tuple(shape)} {dtype}: seed {seed}")
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(*shape, generator=g).to(dtype).to(DEVICE).requires_grad_() for _ in range(3)]
@@ -124,7 +124,7 @@ def test_softcap_runs_in_the_kernels_within_twice_the_reference_error(case, stab
     """Gemma 2's cap, softcap · tanh(S / softcap), at a cap the scores reach (q scaled up): outputs and gradients
     within twice the reference's error against fp64 with the same cap, and the log-sum-exp of the capped scores."""
     Tq, Tk, causal, window, kv_heads = SOFTCAP_CASES[case]
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     D, cap = 16 if INTERPRET else 64, 5.0
@@ -156,7 +156,7 @@ def test_the_backward_adding_dq_with_atomics_is_within_twice_the_reference_error
     three gradients within twice the reference's error against fp64, dK and dV bit-equal to the default backward's
     (the same programs, the same order), the forward untouched."""
     Tq, Tk, causal, window, kv_heads, in_program, cap = ATOMIC_DQ_CASES[case]
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     D = 16 if INTERPRET else 64
@@ -346,7 +346,7 @@ def test_narrow_formats_round_as_the_reference_does_value_by_value():
 def _grouped_inputs(B, H, Tq, Tk, D, groups):
     """Fresh q (B, H, Tq, D), k and v (B, H / groups, Tk, D) and dO, and the generator after them (for masks); the
     seed is printed and returned, for the failure messages."""
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, Tq, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
@@ -517,7 +517,7 @@ def test_packed_sequences_run_in_one_kernel_call(causal, window, lengths, monkey
     q_offsets, k_offsets = ([0, *torch.tensor(n).cumsum(0).tolist()] for n in PACKED_LENGTHS[lengths])
     longest_q, longest_k = (max(n) for n in PACKED_LENGTHS[lengths])
     H, D = 4, 16 if INTERPRET else 64
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(q_offsets[-1], H, D, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
@@ -1083,7 +1083,7 @@ def test_head_dims_between_the_kernels_run_zero_padded_and_exact(heads, stabiliz
 
     D, width = NARROW_HEADS[heads]
     kv_heads = 2 if "GQA" in heads else 4
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     # a model's heads: (B, T, H, D) in memory, viewed as (B, H, T, D)
@@ -1126,7 +1126,7 @@ def test_stride8_is_stated_where_every_row_stride_is_a_multiple_of_8_and_triton_
     assert launch._head_dims(heads(80, 80)) == (128, {"D_IN": 80})  # 16 divides every stride: Triton sees it
     assert launch._head_dims(heads(64, 64)) == (64, {})
 
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 37, 2, 44, generator=g).to(torch.bfloat16).to(DEVICE)[..., :40].transpose(1, 2)
                .requires_grad_() for _ in range(3))
@@ -1176,7 +1176,7 @@ def test_padding_inside_the_kernels_gives_padding_by_hands_bits_with_every_featu
     from stableflash.attention import triton as backend
     from stableflash.attention.triton import launch
 
-    seed = int(torch.randint(2**31, ()))  # pinned by the per-test torch seed (tests/conftest.py)
+    seed = fresh_seed()
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
 
