@@ -104,29 +104,13 @@ def kv_head_offset(bh, H, G, stride_b, stride_h):
 
 
 @triton.jit
-def heavy_first(heads, tiles, chunk):
-    """(head, rank) of this program of a 1-D grid of heads · tiles that runs the heads in chunks of `chunk` and each
-    chunk rank by rank across its heads. The caller makes rank 0 its heaviest causal tile, so that every head's
-    heavy tiles start early and the last programs to run are light ones: a grid of (tiles, heads) ends on one
-    head's tiles, some heavy, run while the rest of the machine idles. Chunks keep the running programs within a
-    few heads, whose inputs L2 holds (`launch.heads_per_chunk`)."""
-    pid = tl.program_id(0)
-    per_chunk = chunk * tiles
-    first = pid // per_chunk * chunk
-    width = tl.minimum(chunk, heads - first)
-    r = pid - first * tiles
-    rank = r // width
-    return first + r - rank * width, rank
-
-
-@triton.jit
 def query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M: tl.constexpr):
     """A backward program over one query tile, grid (query tiles, heads): (batch·head, its key and value heads'
-    offsets, its rows' offset in the (B·H, T) statistics, its query tile, its query rows)."""
+    offsets, its rows' offset in the (B·H, T) statistics, its query rows)."""
     bh = tl.program_id(1)
-    pid_m = tl.program_id(0)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     return (bh, kv_head_offset(bh, H, G, stride_kb, stride_kh), kv_head_offset(bh, H, G, stride_vb, stride_vh),
-            bh.to(tl.int64) * T, pid_m, pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+            bh.to(tl.int64) * T, offs_m)
 
 
 @triton.jit

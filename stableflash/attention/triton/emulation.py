@@ -443,8 +443,7 @@ def _attn_bwd_delta_dpp(
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale = fp32(qk_scale)
     pid_m = tl.program_id(0)
-    bh, k_off, v_off, row_off, _, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh,
-                                                             BLOCK_M)
+    bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
     q = load_rows(Q + head_offset(bh, H, stride_qb, stride_qh), offs_m, stride_qt, T, HEAD_DIM, D_IN)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM, D_IN)
     lse = load_lse(LSE + row_off, offs_m, T)
@@ -488,8 +487,7 @@ def _attn_bwd_dq(
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_m = tl.program_id(0)
-    bh, k_off, v_off, row_off, _, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh,
-                                                             BLOCK_M)
+    bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM, D_IN)
     if DELTA_HERE:
         o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM, D_IN)

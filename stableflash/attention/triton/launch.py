@@ -80,26 +80,6 @@ def _allow_device_descriptors() -> None:
 
 # -- memory -----------------------------------------------------------------------------------------------------------
 
-L2_SHARE = 3
-"""The backward's running heads stream their inputs within 1/L2_SHARE of L2: at (4, 16, 4096, 128) on an H100 that
-is 8 heads, which measured 1.6% faster than the grid before, where all 64 at once measured 3.9% slower
-(`results/kernel-variants/`)."""
-
-
-@functools.cache
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size
-
-
-def heads_per_chunk(device: torch.device, T: int, head_dim: int, itemsize: int) -> int:
-    """How many heads the native backward kernels run at a time (`common.heavy_first`): as many as stream their
-    two (T, head_dim) inputs (K and V for dQ, Q and dO for dK/dV) within 1/L2_SHARE of the device's L2; at least
-    one. Off a GPU (the interpreter runs programs one by one) the order does not matter: one chunk of all."""
-    if device.type != "cuda":
-        return 1 << 30
-    return max(1, _l2_bytes(device) // L2_SHARE // (2 * T * head_dim * itemsize))
-
-
 def tma_streamable(*tensors: torch.Tensor) -> bool:
     """Whether TMA can stream these (B, H, T, D) tensors' rows: one descriptor per head needs its base address and
     row stride 16-byte aligned (a model's heads are; a slice at an odd offset is not)."""
@@ -360,33 +340,26 @@ def backward(dout, q, k, v, o_saved, lse, causal: bool, scale: float, name: str,
 
     in_program = G > 1 and not shares  # one program per key/value head (`GROUP`), else per query head
 
-    def cols(m):  # the emulation's dK/dV kernel: (key tiles, heads)
-        return _ceil_div(TK, m["BLOCK_N"]), B * H
-
-    def heavy_rows(m):  # the native kernels: one axis, heads · tiles (`common.heavy_first`)
-        return (B * H * _ceil_div(T, m["BLOCK_M"]),)
-
-    def heavy_cols(m):
-        return (B * H // (G if in_program else 1) * _ceil_div(TK, m["BLOCK_N"]),)
+    def cols(m):  # grouped: (heads, key tiles), each head's heaviest causal key tiles first
+        tiles = _ceil_div(TK, m["BLOCK_N"])
+        return (B * H // G, tiles) if in_program else (tiles, B * H)
 
     if spec.native:
         either = _tma_candidates(spec, D, q, k, v, dout) and not padded
         if either:
             _allow_device_descriptors()
         grouped = {"GROUP": G} if in_program else {}  # absent otherwise: MHA's picks keep their keys
-        # GQA's programs keep the order they measured fast in (all heads at once, `results/own-model-h200/`)
-        chunk = B * H // G if in_program else heads_per_chunk(q.device, T, D, q.element_size())
         kernel_scale, kernel_softcap, capped = _scales(scale, softcap)
         scales = (kernel_scale, scale)  # the scores' (`_scales`), and dQ's and dK's natural one
         if atomic_dq:  # δ alone; dQ comes from the dK/dV programs
             _launch(native._attn_bwd_delta, rows, (o_saved, dout, delta, _strides(o_saved), _strides(dout), H, T),
                     {"HEAD_DIM": D, **padded}, DELTA_CONFIG)
         else:
-            _launch_tuned(NATIVE_DQ, heavy_rows, (*dq_args, *scales, masking, kernel_softcap, chunk),
-                          {**launch, **capped}, T=T, dtype=q.dtype, either=either)
+            _launch_tuned(NATIVE_DQ, rows, (*dq_args, *scales, masking, kernel_softcap), {**launch, **capped}, T=T,
+                          dtype=q.dtype, either=either)
         native_dkdv = (*dkdv_args[:8], dq_acc, *dkdv_args[8:])
         atomic = {"ATOMIC_DQ": True} if atomic_dq else {}  # absent when off: the picks keep their keys
-        _launch_tuned(NATIVE_DKDV, heavy_cols, (*native_dkdv, *scales, masking, kernel_softcap, chunk),
+        _launch_tuned(NATIVE_DKDV, cols, (*native_dkdv, *scales, masking, kernel_softcap),
                       {**launch, **grouped, **capped, **atomic}, T=T, dtype=q.dtype, either=either)
         if atomic_dq:  # scaled and cast in one pass over the fp32 sums (as the default's fp32 dQ * scale, then cast)
             torch.mul(dq_acc[..., :D_IN], scale, out=dq)

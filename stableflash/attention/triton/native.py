@@ -33,7 +33,6 @@ from stableflash.attention.triton.common import (
     dot,
     fp32,
     head_offset,
-    heavy_first,
     key_tags,
     kv_head_offset,
     load_all_rows,
@@ -42,6 +41,7 @@ from stableflash.attention.triton.common import (
     packed_keys,
     packed_queries,
     query_tags,
+    query_tile_program,
     row_flags,
     row_strides,
     scores,
@@ -292,7 +292,7 @@ def _dq_tile(q, do, lse, delta, K, V, k_off, v_off, start_n, offs_m, T, stride_k
 @triton.jit
 def _attn_bwd_dq(
     Q, K, V, DO, O, LSE, DELTA, DQ, q_strides, k_strides, v_strides, do_strides, o_strides, g_strides, H, G, T,
-    qk_scale, scale, band, softcap, chunk,
+    qk_scale, scale, band, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, SEG: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     D_IN: tl.constexpr = 0, STRIDE8: tl.constexpr = False,
@@ -307,12 +307,8 @@ def _attn_bwd_dq(
     stride_gb, stride_gh, stride_gt = row_strides(g_strides, STRIDE8)
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
-    tiles = tl.cdiv(T, BLOCK_M)
-    bh, rank = heavy_first(tl.num_programs(0) // tiles, tiles, chunk)
-    pid_m = tiles - 1 - rank if CAUSAL else rank  # causal: the last query tiles see the most keys
-    k_off, v_off = kv_head_offset(bh, H, G, stride_kb, stride_kh), kv_head_offset(bh, H, G, stride_vb, stride_vh)
-    row_off = bh.to(tl.int64) * T
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(0)
+    bh, k_off, v_off, row_off, offs_m = query_tile_program(H, G, T, stride_kb, stride_kh, stride_vb, stride_vh, BLOCK_M)
     do = load_rows(DO + head_offset(bh, H, stride_dob, stride_doh), offs_m, stride_dot, T, HEAD_DIM, D_IN)
     o = load_rows(O + head_offset(bh, H, stride_ob, stride_oh), offs_m, stride_ot, T, HEAD_DIM, D_IN)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # before Q is loaded: fewer tiles live at once
@@ -466,7 +462,7 @@ def _attn_bwd_delta(O, DO, DELTA, o_strides, do_strides, H, T, HEAD_DIM: tl.cons
 @triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, q_strides, k_strides, v_strides, do_strides, g_strides, H, G, T, qk_scale,
-    scale, band, softcap, chunk,
+    scale, band, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
     MASK: tl.constexpr = False, PAD: tl.constexpr = False, GROUP: tl.constexpr = 1, SEG: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False, D_IN: tl.constexpr = 0,
@@ -486,8 +482,8 @@ def _attn_bwd_dkdv(
     stride_gb, stride_gh, stride_gt = row_strides(g_strides, STRIDE8)
     KEEP, stride_keep, TK, LEFT, RIGHT = band
     qk_scale, scale, softcap = fp32(qk_scale), fp32(scale), fp32(softcap)
-    tiles = tl.cdiv(TK, BLOCK_N)
-    program, pid_n = heavy_first(tl.num_programs(0) // tiles, tiles, chunk)  # causal: the first key tiles, heaviest
+    pid_n = tl.program_id(1) if GROUP > 1 else tl.program_id(0)
+    program = tl.program_id(0) if GROUP > 1 else tl.program_id(1)
     first = program * GROUP  # the first query head (batch·head) of the program
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if TMA:
