@@ -84,6 +84,33 @@ def test_attention_ab_gives_time_after_over_before_per_round_and_for_the_mean(tm
     assert short.returncode != 0 and "before, after: need as many rounds of each, got 2 and 1" in short.stderr
 
 
+def test_tree_rounds_runs_each_arm_in_its_tree_round_by_round(tmp_path):
+    """Each arm's benchmark runs in its own tree (its package first on the path), with its one environment setting,
+    once per round in the order given; a missing tree is named."""
+    stub = ("import json, os, sys\n"
+            "args = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
+            "open(args['--out'], 'w').write(json.dumps({'tree': os.path.basename(os.getcwd()),\n"
+            "    'chunk': os.environ.get('CHUNK'), 'path': os.environ['PYTHONPATH'], 'args': args}))\n")
+    for tree in ("a", "b"):
+        (tmp_path / tree / "benchmarks").mkdir(parents=True)
+        (tmp_path / tree / "benchmarks" / "attention.py").write_text(stub)
+    out = tmp_path / "out"
+    script = str(ROOT / "research" / "tree_rounds.sh")
+    subprocess.run(["bash", script, str(out), "2", "x,y", "fwdbwd_graph", "1,2,64,64", f"first={tmp_path / 'a'}",
+                    f"second={tmp_path / 'b'}@CHUNK=8"], check=True, capture_output=True, text=True, timeout=60)
+    runs = {name: json.loads((out / f"attention-{name}.json").read_text())
+            for name in ("first-1", "second-1", "first-2", "second-2")}
+    assert [runs[n]["tree"] for n in runs] == ["a", "b", "a", "b"]
+    assert [runs[n]["chunk"] for n in runs] == [None, "8", None, "8"]
+    assert runs["first-1"]["path"] == "." and runs["second-2"]["args"] == {
+        "--impls": "x,y", "--modes": "fwdbwd_graph", "--shapes": "1,2,64,64", "--out": str(out / "attention-second-2.json")}
+    order = [line.split(":")[0] for line in (out / "rounds.log").read_text().splitlines()]
+    assert order == ["round 1 arm first", "round 1 arm second", "round 2 arm first", "round 2 arm second"]
+    missing = subprocess.run(["bash", script, str(out), "1", "x", "fwd", "1,2,64,64", f"gone={tmp_path / 'c'}"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and f"arm gone: no tree at {tmp_path / 'c'}" in missing.stderr
+
+
 def test_backward_forms_compare_pairs_each_tile_of_two_trees(tmp_path):
     def row(kernel, tma, registers, spills):
         return {"kernel": kernel, "head_dim": 128, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3,
