@@ -153,8 +153,10 @@ ATOMIC_DQ_CASES = {  # Tq, Tk, causal, window, kv heads (of 4), the group summed
 @pytest.mark.parametrize("case", list(ATOMIC_DQ_CASES))
 def test_the_backward_adding_dq_with_atomics_is_within_twice_the_reference_error(case):
     """`KernelOptions(atomic_dq=True)`: no dQ kernel; δ from its own kernel and dQ added by the dK/dV programs. All
-    three gradients within twice the reference's error against fp64, dK and dV bit-equal to the default backward's
-    (the same programs, the same order), the forward untouched."""
+    three gradients within twice the reference's error against fp64, the forward untouched, and dK and dV the default
+    backward's: bit for bit where the programs add the same terms in the same order, within one bf16 rounding where
+    a program sums a GQA group (the atomic form's three loops each walk the group's heads, the default's one loop
+    walks each head's tiles in turn)."""
     Tq, Tk, causal, window, kv_heads, in_program, cap = ATOMIC_DQ_CASES[case]
     seed = fresh_seed()
     print(f"seed {seed}")
@@ -170,8 +172,12 @@ def test_the_backward_adding_dq_with_atomics_is_within_twice_the_reference_error
             ours = _run(functools.partial(_attention, **kw), q, k, v, dout)
         default = _run(functools.partial(_attention, **kw), q, k, v, dout)
     _assert_within_twice_the_references_error_against_fp64(ours, q, k, v, dout, seed, None, **kw)
-    for name, a, b in zip(["out", "dk", "dv"], [ours[0], *ours[2:]], [default[0], *default[2:]]):
-        assert torch.equal(a, b), (name, f"seed {seed}")
+    assert torch.equal(ours[0], default[0]), f"out, seed {seed}"
+    for name, a, b in zip(["dk", "dv"], ours[2:], default[2:]):
+        if kv_heads < 4 and in_program:  # one rounding of a reordered fp32 sum: at most one bf16 ulp apart
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6 * b.abs().max().item(), msg=f"{name}, seed {seed}")
+        else:
+            assert torch.equal(a, b), (name, f"seed {seed}")
 
 
 def test_the_options_in_force_at_the_forward_choose_its_backward(monkeypatch):
