@@ -120,12 +120,14 @@ def test_backward_forms_compare_pairs_each_tile_of_two_trees(tmp_path):
     before = tmp_path / "before.json"
     after = tmp_path / "after.json"
     before.write_text(json.dumps({"rows": [row("dkdv", True, 255, 24), row("dkdv", False, 255, 80)]}))
-    after.write_text(json.dumps({"rows": [row("dkdv", True, 253, 0), row("dq", True, 200, 0)]}))
+    after.write_text(json.dumps({"rows": [{**row("dkdv", True, 253, 0), "serialised": "yes"},
+                                          row("dq", True, 200, 0)]}))
     out = subprocess.run([sys.executable, str(ROOT / "research" / "backward_forms.py"), "--compare", str(before),
                           str(after)], capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
-    # the dK/dV TMA tile is in both tables; the dq row has no before and the pointer row no after
+    # the dK/dV TMA tile is in both tables; the dq row has no before and the pointer row no after; the older table
+    # has no serialisation column
     assert len(out) == 2 and out[1].startswith("dkdv D=128 64x128 8w 3s TMA")
-    assert "255 -> 253" in out[1] and "24 -> 0" in out[1]
+    assert "255 -> 253" in out[1] and "24 -> 0" in out[1] and out[1].endswith("? -> yes")
     bad = subprocess.run([sys.executable, str(ROOT / "research" / "backward_forms.py"), "--kernels", "fwd", "--out",
                           str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--kernels: unknown ['fwd']; expected dkdv, dq" in bad.stderr
