@@ -15,6 +15,7 @@ folder holding `stableflash/` (`git archive REV stableflash | tar -x -C DIR`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -72,12 +73,37 @@ def stand_in_driver() -> None:
     driver.set_active(StandIn())
 
 
-def measure(repeats: int, launches: str) -> dict:
-    """Median host µs per call in this process's tree: forward+backward, forward alone, backward alone."""
+@functools.cache
+def _dressed_class():
+    """A CPU tensor that says it is on a GPU, with torch's own operators (torch imported here: the parent process
+    that runs the children never needs it)."""
     import torch
 
+    class Dressed(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        @property
+        def is_cuda(self):
+            return True
+
+    return Dressed
+
+
+def dressed_inputs(shape=SHAPE):
+    """(q, k, v, dout) from a fixed seed: bf16, q, k and v dressed as GPU tensors and taking gradients."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.Tensor._make_subclass(_dressed_class(), torch.randn(shape, generator=generator,
+                                                                         dtype=torch.bfloat16), True)
+               for _ in range(3))
+    return q, k, v, torch.randn(shape, generator=generator, dtype=torch.bfloat16)
+
+
+def without_gpu(launches: str = "stood-in") -> None:
+    """Let the package's Triton route run here: its launches stood in for (or Triton's launch path through
+    `stand_in_driver`), autotuning off, and the route taken for the dressed tensors."""
     import stableflash.attention.api as api
-    from stableflash import SFA, AttentionStats, flash_attention
     from stableflash.attention.triton import launch, set_kernel_options
 
     if launches == "triton":
@@ -88,32 +114,32 @@ def measure(repeats: int, launches: str) -> dict:
     api._HAS_TRITON = True
     api.triton_available = lambda q: True
 
-    class Dressed(torch.Tensor):  # a CPU tensor that says it is on a GPU, with torch's own operators
-        __torch_function__ = torch._C._disabled_torch_function_impl
 
-        @property
-        def is_cuda(self):
-            return True
+def timed(step, repeats: int) -> float:
+    """Median µs of `step` over `repeats` calls, after a tenth as many untimed."""
+    for _ in range(repeats // 10):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.Tensor._make_subclass(Dressed, torch.randn(SHAPE, generator=generator, dtype=torch.bfloat16),
-                                           True) for _ in range(3))
-    dout = torch.randn(SHAPE, generator=generator, dtype=torch.bfloat16)
+
+def measure(repeats: int, launches: str) -> dict:
+    """Median host µs per call in this process's tree: forward+backward, forward alone, backward alone."""
+    import torch
+
+    from stableflash import SFA, AttentionStats, flash_attention
+
+    without_gpu(launches)
+    q, k, v, dout = dressed_inputs()
     stats = AttentionStats(SHAPE[1])
     calls = {"fa2": lambda: flash_attention(q, k, v, causal=True, backend="triton"),
              "sfa": lambda: flash_attention(q, k, v, causal=True, backend="triton", stabilize=SFA()),
              "sfa-stats": lambda: flash_attention(q, k, v, causal=True, backend="triton", stabilize=SFA(),
                                                   stats=stats)}
-
-    def timed(step) -> float:
-        for _ in range(repeats // 10):
-            step()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e6
 
     report = {}
     for name, call in calls.items():
@@ -122,8 +148,9 @@ def measure(repeats: int, launches: str) -> dict:
             call().backward(dout)
 
         out = call()
-        report[name] = {"fwd_bwd_us": timed(both), "fwd_us": timed(call),
-                        "bwd_us": timed(lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))}
+        report[name] = {"fwd_bwd_us": timed(both, repeats), "fwd_us": timed(call, repeats),
+                        "bwd_us": timed(lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                        repeats)}
     return report
 
 

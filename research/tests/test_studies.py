@@ -437,3 +437,26 @@ def test_host_time_compares_two_trees(tmp_path, launches):
     bad = subprocess.run([sys.executable, str(ROOT / "research" / "host_time.py"), "--before", str(tmp_path), "--out",
                           str(out)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "expected a folder holding stableflash/" in bad.stderr
+
+
+def test_host_floor_times_ours_against_empty_ops_of_the_same_design(tmp_path):
+    """research/host_floor.py on the CPU: the three arms in every round, each round's ratio to `ours`, the JSON;
+    the floor's ops give every input a gradient of its shape, as ours do."""
+    out = tmp_path / "floor.json"
+    done = subprocess.run([sys.executable, str(ROOT / "research" / "host_floor.py"), "--rounds", "2", "--repeats", "20",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, check=True, cwd=tmp_path)
+    result = json.loads(out.read_text())
+    assert [sorted(r) for r in result["rounds"]] == [["floor", "function", "ours"]] * 2
+    assert result["summary"]["ours"]["to_ours"] == 1.0
+    assert all(row["median_us"] > 0 for row in result["summary"].values())
+    assert "floor" in done.stdout and "function" in done.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "research" / "host_floor.py"), "--rounds", "0", "--out", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--rounds and --repeats: expected at least 1, got 0 and 2000" in bad.stderr
+    grads = subprocess.run([sys.executable, "-c", (
+        "import torch, host_floor\n"
+        "q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))\n"
+        "host_floor.floor_fwd(q, k, v, None, 'n', 'c')[0].sum().backward()\n"
+        "print([tuple(t.grad.shape) for t in (q, k, v)])")],
+        capture_output=True, text=True, timeout=120, check=True, cwd=ROOT / "research").stdout
+    assert grads.strip() == "[(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4)]"
