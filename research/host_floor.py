@@ -54,12 +54,13 @@ def _setup_context(ctx, inputs, output):
     q, k, v, keep, name, call = inputs
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, output[0], output[2], keep)
-    ctx.name, ctx.call, ctx.switches = name, call, (False, False)
+    ctx.name, ctx.call = name, call
 
 
 def _backward(ctx, dout, *_):
     q, k, v, o_saved, lse, keep = ctx.saved_tensors
-    return (*floor_bwd(dout, q, k, v, o_saved, lse, keep, ctx.name, ctx.call, *ctx.switches), None, None, None)
+    # atomic_dq and group_sum off, as our default options pass them
+    return (*floor_bwd(dout, q, k, v, o_saved, lse, keep, ctx.name, ctx.call, False, False), None, None, None)
 
 
 floor_fwd.register_autograd(_backward, setup_context=_setup_context)
