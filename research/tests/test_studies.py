@@ -460,3 +460,27 @@ def test_host_floor_times_ours_against_empty_ops_of_the_same_design(tmp_path):
         "print([tuple(t.grad.shape) for t in (q, k, v)])")],
         capture_output=True, text=True, timeout=120, check=True, cwd=ROOT / "research").stdout
     assert grads.strip() == "[(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4)]"
+
+
+def test_forward_overhead_fit_recovers_a_cost_per_program_and_units_count_causal_tiles():
+    sys.path.insert(0, str(ROOT / "research"))
+    from forward_overhead import SHAPES, fit, program_share, units
+
+    assert units(1, 1, 384) == 6 and units(2, 3, 128) == 6  # n = 3: 1 + 2 + 3 tiles; n = 1: one per head
+    assert {B * H * T * T for B, H, T in SHAPES} == {2**29}  # equal FLOPs at every T
+    xs = [program_share(T) for _, _, T in SHAPES]
+    line = fit(xs, [2.0 + 3.0 * x for x in xs])
+    assert math.isclose(line["a_us"], 2.0) and math.isclose(line["b_over_a"], 1.5)
+    assert max(abs(e) for e in line["residuals"]) < 1e-9
+    bent = fit(xs, [2.0 + 3.0 * x + (0.5 if x == xs[2] else 0.0) for x in xs])
+    assert max(abs(e) for e in bent["residuals"]) > 0.05  # a point off the line shows in its residual
+
+
+def test_eager_gap_splits_a_profile_into_calls_at_the_widest_gaps():
+    sys.path.insert(0, str(ROOT / "research"))
+    from eager_gap import split_calls
+
+    kernels = [(0, 5), (6, 4), (100, 3), (104, 2), (200, 1), (202, 1)]  # three calls of two kernels, 1 µs apart
+    assert split_calls(kernels, 3) == [{"kernels": 2, "busy_us": 9, "span_us": 10},
+                                       {"kernels": 2, "busy_us": 5, "span_us": 6},
+                                       {"kernels": 2, "busy_us": 2, "span_us": 3}]

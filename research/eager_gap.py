@@ -1,0 +1,121 @@
+"""Why a forward+backward reads slower eagerly than from a CUDA graph: the L2 flush, idle GPU, or slower kernels.
+
+For SFA (the fused kernels) and cuDNN at one shape, a causal bf16 forward+backward is timed four ways in one
+process: `do_bench` (L2 cleared before each call: the attention benchmark's eager column), a loop of CUDA events
+with L2 cleared before each call, the same loop with L2 kept, and `do_bench_cudagraph`. Then a few eager calls are
+profiled: per call, the kernels' summed device time, and the span from the first kernel's start to the last one's
+end (the span less the sum is the GPU idle between kernels):
+
+    python research/eager_gap.py --out OUT.json [--shape 1,16,16384,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+from stableflash import SFA, flash_attention
+
+L2_FLUSH_BYTES = 256 * 2**20  # what `do_bench` zeroes between calls
+
+
+def arms():
+    def sfa(q, k, v):
+        return flash_attention(q, k, v, backend="triton", layout="bhtd", stabilize=SFA())
+
+    def cudnn(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return {"SFA": sfa, "cuDNN": cudnn}
+
+
+def event_loop_ms(step, leaves, calls: int, flush: torch.Tensor | None) -> float:
+    """Median ms of `step()` between two CUDA events, L2 cleared before each call when `flush` is given."""
+    times = []
+    for _ in range(calls):
+        for x in leaves:
+            x.grad = None
+        if flush is not None:
+            flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()  # one call at a time, as `do_bench`'s events are read; the host waits, the GPU does not
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def profiled_calls(step, leaves, calls: int) -> list[dict]:
+    """Per eager call: the kernels' summed device time and their span (first start to last end), µs."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for x in leaves:
+                x.grad = None
+            step()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = sorted((e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel")
+    return split_calls(kernels, calls)
+
+
+def split_calls(kernels: list[tuple[float, float]], calls: int) -> list[dict]:
+    """The kernels (start, duration) in time order, cut into `calls` calls at the `calls - 1` widest gaps (the host
+    synchronises between calls); per call the kernels' count, summed time and span."""
+    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] - sum(kernels[i - 1]), reverse=True)
+    cuts = [0, *sorted(gaps[:calls - 1]), len(kernels)]
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        part = kernels[lo:hi]
+        out.append({"kernels": len(part), "busy_us": sum(d for _, d in part),
+                    "span_us": part[-1][0] + part[-1][1] - part[0][0]})
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", default="1,16,16384,128", help="B,H,T,D")
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    B, H, T, D = (int(x) for x in args.shape.split(","))
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "shape": [B, H, T, D], "arms": {}}
+    for name, attend in arms().items():
+        def step(a=attend):
+            a(q, k, v).backward(dout)
+        step()  # compile and autotune
+        ms = {"do_bench": triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=[q, k, v],
+                                                  return_mode="median"),
+              "events_l2_cleared": event_loop_ms(step, (q, k, v), args.calls, flush),
+              "events_l2_kept": event_loop_ms(step, (q, k, v), args.calls, None),
+              "graph": triton.testing.do_bench_cudagraph(step, rep=200, grad_to_none=[q, k, v], return_mode="median")}
+        calls = profiled_calls(step, (q, k, v), 5)
+        report["arms"][name] = {"ms": ms, "profiled_calls": calls}
+        busy = statistics.median(c["busy_us"] for c in calls) / 1e3
+        span = statistics.median(c["span_us"] for c in calls) / 1e3
+        print(f"{name:<6}" + "".join(f"  {key} {value:.3f}" for key, value in ms.items())
+              + f"  | profiled: kernels {calls[0]['kernels']}, busy {busy:.3f}, span {span:.3f} (ms)", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
