@@ -4,7 +4,7 @@ For SFA (the fused kernels) and cuDNN at one shape, a causal bf16 forward+backwa
 process: `do_bench` (L2 cleared before each call: the attention benchmark's eager column), a loop of CUDA events
 with L2 cleared before each call, the same loop with L2 kept, and `do_bench_cudagraph`. Then a few eager calls are
 profiled: per call, the kernels' summed device time, and the span from the first kernel's start to the last one's
-end (the span less the sum is the GPU idle between kernels):
+end, each call profiled on its own (the span less the sum is the GPU idle between kernels):
 
     python research/eager_gap.py --out OUT.json [--shape 1,16,16384,128]
 """
@@ -57,33 +57,29 @@ def event_loop_ms(step, leaves, calls: int, flush: torch.Tensor | None) -> float
 
 
 def profiled_calls(step, leaves, calls: int) -> list[dict]:
-    """Per eager call: the kernels' summed device time and their span (first start to last end), µs."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            for x in leaves:
-                x.grad = None
+    """Per eager call, each profiled on its own: the kernels' count, summed device time and span (first start to
+    last end), µs."""
+    out = []
+    for _ in range(calls):
+        for x in leaves:
+            x.grad = None
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    kernels = sorted((e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel")
-    return split_calls(kernels, calls)
-
-
-def split_calls(kernels: list[tuple[float, float]], calls: int) -> list[dict]:
-    """The kernels (start, duration) in time order, cut into `calls` calls at the `calls - 1` widest gaps (the host
-    synchronises between calls); per call the kernels' count, summed time and span."""
-    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] - sum(kernels[i - 1]), reverse=True)
-    cuts = [0, *sorted(gaps[:calls - 1]), len(kernels)]
-    out = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        part = kernels[lo:hi]
-        out.append({"kernels": len(part), "busy_us": sum(d for _, d in part),
-                    "span_us": part[-1][0] + part[-1][1] - part[0][0]})
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            events = json.loads(trace.read_text())["traceEvents"]
+        out.append(call_summary([(e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel"]))
     return out
+
+
+def call_summary(kernels: list[tuple[float, float]]) -> dict:
+    """One call's kernels (start, duration): their count, summed time and span."""
+    kernels = sorted(kernels)
+    return {"kernels": len(kernels), "busy_us": sum(d for _, d in kernels),
+            "span_us": max(t + d for t, d in kernels) - kernels[0][0]}
 
 
 def main():

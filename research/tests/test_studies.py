@@ -476,11 +476,9 @@ def test_forward_overhead_fit_recovers_a_cost_per_program_and_units_count_causal
     assert max(abs(e) for e in bent["residuals"]) > 0.05  # a point off the line shows in its residual
 
 
-def test_eager_gap_splits_a_profile_into_calls_at_the_widest_gaps():
+def test_eager_gap_summarises_a_call_by_its_kernels_busy_time_and_span():
     sys.path.insert(0, str(ROOT / "research"))
-    from eager_gap import split_calls
+    from eager_gap import call_summary
 
-    kernels = [(0, 5), (6, 4), (100, 3), (104, 2), (200, 1), (202, 1)]  # three calls of two kernels, 1 µs apart
-    assert split_calls(kernels, 3) == [{"kernels": 2, "busy_us": 9, "span_us": 10},
-                                       {"kernels": 2, "busy_us": 5, "span_us": 6},
-                                       {"kernels": 2, "busy_us": 2, "span_us": 3}]
+    # three kernels, out of order, the second overlapping the first: busy 9 µs over a span of 12
+    assert call_summary([(10, 2), (0, 5), (3, 2)]) == {"kernels": 3, "busy_us": 9, "span_us": 12}
