@@ -326,6 +326,23 @@ def test_the_gluon_forwards_launches_compile_unserialised(head_dim, sfa, stats, 
     assert usage["spill_stack_bytes"] == 0 and usage["shared_bytes"] <= 232_448
 
 
+@pytest.mark.parametrize("sfa,stats", [(False, False), (True, False), (True, True)])
+def test_the_persistent_gluon_forward_compiles_unserialised(sfa, stats):
+    """The persistent pingpong forward (`hopper._attn_fwd_persistent`, a study's tile until measured faster):
+    compiled for sm_90 with `launch.forward`'s constants, the wgmmas stay asynchronous and the shared memory fits
+    an H100's; plain and SFA do not spill (the statistics' epilogue spills a few bytes, once per item)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tile = hopper.Tile(128, 128, 3, 4, heavy_first=True, pingpong=True, persistent=True)
+    name = _name("fa2", SFA() if sfa else None, 128)
+    consts, config = launch._hopper_constants(name, 128, torch.bfloat16, True, tile, stats)
+    compiled = compile_function(hopper.kernel(tile), {**consts, "num_warps": config.num_warps},
+                                {"num_warps": config.num_warps}, source_type=GluonASTSource)
+    assert wgmma_serialization(compiled) is None
+    usage = resource_usage(compiled)
+    assert usage["shared_bytes"] <= 232_448 and usage["spill_stack_bytes"] <= (64 if stats else 0)
+
+
 @pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
 @pytest.mark.parametrize("variant", ["paper+pv-e8m4-tz", "paper+stats-e8m5-tz", "paper+pv-e8m4-sr"])
 def test_narrow_formats_and_toward_zero_compile_for_sm90(variant, kernel):
