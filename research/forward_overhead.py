@@ -4,10 +4,11 @@ A causal forward of 128-row query tiles and 128-key tiles visits n(n + 1) / 2 ti
 programs (n = T / 128). If its time is a cost per unit and a cost per program, then the time per unit is
 a + b · 2 / (n + 1), a line in x = 2 / (n + 1); b / a is one program's cost in key tiles. At B·H·T² fixed the FLOPs
 are the same at every T, and only x changes. Arms: the Gluon forward at every T (its tile's shortest T set to 1),
-the same made persistent (`hopper.Tile.persistent`; first checked bit for bit against it), the Triton forward (`hopper_forward=False`, autotuned), each plain and with SFA, and cuDNN's forward; each timed
-from a CUDA graph, in rounds whose arm order rotates:
+the same made persistent (`hopper.Tile.persistent`; first checked bit for bit against it), the Triton forward
+(`hopper_forward=False`, autotuned), each plain and with SFA, and cuDNN's forward; each timed from a CUDA graph, in
+rounds whose arm order rotates:
 
-    python research/forward_overhead.py --out OUT.json [--rounds 3] [--head-dim 128]
+    python research/forward_overhead.py --out OUT.json [--rounds 3] [--head-dim 128] [--check first|only|skip]
 """
 
 from __future__ import annotations
