@@ -254,13 +254,7 @@ def _attn_fwd(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX, q_strides, k_strides, v_st
         mbarrier.init(turn_bars.index(i), count=1)
 
     m0 = pid_m * BLOCK_M
-    if CAUSAL:
-        hi = gl.minimum(T, m0 + BLOCK_M)
-        mask_from = m0
-    else:
-        hi = T
-        mask_from = T
-    n_tiles = gl.cdiv(hi, BLOCK_N)
+    n_tiles, mask_from = _key_tiles(m0, T, BLOCK_M, BLOCK_N, CAUSAL)
 
     for i in gl.static_range(CONSUMERS):
         mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
