@@ -43,6 +43,19 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, tile, BLOCK_N: gl.constexpr,
     tma.async_copy_global_to_shared(v_desc, [tile * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
 
 
+@gluon.constexpr_function
+def _s_layout(num_warps, block_n):
+    """S tiles in the wgmma accumulator layout: one warpgroup per 64 rows (P̄ is then the register A operand of
+    P̄V, `gl.DotOperandLayout` of `_o_layout`)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 16])
+
+
+@gluon.constexpr_function
+def _o_layout(num_warps, head_dim):
+    """The O accumulator's wgmma layout."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, head_dim, 16])
+
+
 @gluon.jit
 def _softmax_step(s, m_i, l_i, repeated, ones, smax, j, rows, mask_from, T, qk_scale, eps_u,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, S_LAYOUT: gl.constexpr, DTYPE: gl.constexpr,
@@ -111,12 +124,8 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
     With PINGPONG two such warpgroups (WG 0 and 1, 64 rows each) take turns to issue their matmuls, so that one's
     softmax runs while the other's matmuls keep the tensor cores busy (FA3's inter-warpgroup schedule)."""
     dtype: gl.constexpr = q_smem.dtype
-    num_warps: gl.constexpr = gl.num_warps()
-    # one warpgroup per 64 rows; S tiles and O in wgmma accumulator layouts, P̄ as the register A operand of P̄V
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _s_layout(gl.num_warps(), BLOCK_N)
+    o_layout: gl.constexpr = _o_layout(gl.num_warps(), HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -377,11 +386,8 @@ def _consume_items(q_smem, k_smem, v_smem, q_bar, q_free, ready_bars, empty_bars
     program's work items (its ROWS of the item's query tile), with the ring's position and the turns counted
     across items, and its Q released to the loader once the item's last S has been read."""
     dtype: gl.constexpr = q_smem.dtype
-    num_warps: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _s_layout(gl.num_warps(), BLOCK_N)
+    o_layout: gl.constexpr = _o_layout(gl.num_warps(), HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_tile = q_smem.reshape([ROWS, HEAD_DIM])
