@@ -6,7 +6,9 @@ issues S_{j+1} = Q K_{j+1}ᵀ, rescales O, issues P̄_j V_j, waits for S_{j+1} a
 computes (FA3's intra-warpgroup order). K and V arrive by TMA through a ring of STAGES buffers, refilled by the
 computing warps or by a loader warp of their own (`gl.warp_specialize`). With `Tile(pingpong=True)` the 128 rows are
 two warpgroups of 64 rows, 240 registers each, that take turns to issue their matmuls through two mbarriers, so one's
-softmax runs under the other's matmuls (FA3's inter-warpgroup schedule).
+softmax runs under the other's matmuls (FA3's inter-warpgroup schedule). With `Tile(persistent=True)` the same
+schedule runs in one program per SM that walks the (head, query tile) items (`_attn_fwd_persistent`): the loader warp
+fetches an item's Q and first key tiles while the warpgroups finish the one before.
 
 Production FA2 numerics only, with or without SFA and the statistics, exactly as `native._fwd_tile` computes them
 per key tile (the `common.top2` pair reduction, `common.sfa_max`, the guarded P̄ = 1 count and `common.shift` of rows
