@@ -14,6 +14,7 @@ rounds whose arm order rotates:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -63,15 +64,21 @@ SHIPPED = hopper.FORWARD_TILES
 TABLES = {"gluon": _gluon_everywhere(), "persistent": _gluon_everywhere(persistent=True)}
 
 
+@contextlib.contextmanager
+def forward_table(table: str | None):
+    """The Gluon forward's table `TABLES[table]` inside the block (None: the shipped one), the shipped one after."""
+    hopper.FORWARD_TILES = TABLES[table] if table else SHIPPED
+    try:
+        yield
+    finally:
+        hopper.FORWARD_TILES = SHIPPED
+
+
 def arms():
     def ours(table: str | None, stabilize):
         def run(q, k, v):
-            hopper.FORWARD_TILES = TABLES[table] if table else SHIPPED
-            try:
-                with kernel_options(hopper_forward=table is not None):
-                    return flash_attention(q, k, v, backend="triton", layout="bhtd", causal=True, stabilize=stabilize)
-            finally:
-                hopper.FORWARD_TILES = SHIPPED
+            with forward_table(table), kernel_options(hopper_forward=table is not None):
+                return flash_attention(q, k, v, backend="triton", layout="bhtd", causal=True, stabilize=stabilize)
         return run
 
     def cudnn(q, k, v):
@@ -96,12 +103,11 @@ def check_persistent(cases) -> list[dict]:
         for stabilize, stats in ((None, False), (SFA(), False), (SFA(), True)):
             outs = {}
             for table in ("gluon", "persistent"):
-                hopper.FORWARD_TILES = TABLES[table]
                 counters = AttentionStats(H, eps=SFA().eps) if stats else None
-                o, lse = flash_attention(q, k, v, backend="triton", causal=causal, stabilize=stabilize,
-                                         stats=counters, return_lse=True)
+                with forward_table(table):
+                    o, lse = flash_attention(q, k, v, backend="triton", causal=causal, stabilize=stabilize,
+                                             stats=counters, return_lse=True)
                 outs[table] = (o, lse, counters)
-            hopper.FORWARD_TILES = SHIPPED
             (o1, l1, s1), (o2, l2, s2) = outs["gluon"], outs["persistent"]
             same = torch.equal(o1, o2) and torch.equal(l1, l2)
             if stats:
@@ -144,12 +150,12 @@ def main():
     times = {name: {str(T): [] for _, _, T in SHAPES} for name in names}
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "head_dim": args.head_dim, "persistent_checks": checks,
-              "shapes": [list(s) for s in SHAPES], "units": {}, "times_us": times}
+              "shapes": [list(s) for s in SHAPES], "units": {str(T): units(B, H, T) for B, H, T in SHAPES},
+              "times_us": times}
     start = time.time()
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for B, H, T in SHAPES:
-            report["units"][str(T)] = units(B, H, T)
             for name in order:
                 times[name][str(T)].append(time_forward(runs[name], B, H, T, args.head_dim))
         print(f"round {r + 1}: {time.time() - start:.0f} s", flush=True)

@@ -185,14 +185,23 @@ def _consume(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready_bars, empty_ba
     acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
 
-    # rows that saw no finite score (every key -inf): O = 0 and lse = -inf, as the Triton kernel gives them
+    _store_rows(acc, m_i, l_i, rows, m0, T, O, o_base, stride_ot, LSE, bh, STAT_COUNTS, STAT_MAX, h, repeated, ones,
+                smax, BLOCK_M, HEAD_DIM, STATS)
+
+
+@gluon.jit
+def _store_rows(acc, m_i, l_i, rows, m0, T, O, o_base, stride_ot, LSE, bh, STAT_COUNTS, STAT_MAX, h, repeated, ones,
+                smax, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STATS: gl.constexpr):
+    """One warpgroup's BLOCK_M rows from m0, done: O (its head's rows from o_base), the log-sum-exp and the
+    statistics. Rows that saw no finite score (every key -inf) get O = 0 and lse = -inf, as the Triton kernel gives them."""
+    o_layout: gl.constexpr = _o_layout(gl.num_warps(), HEAD_DIM)
     empty = m_i == float("-inf")
     l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
     o = acc / l_o[:, None]
     o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     o_ptrs = O + o_base + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :]
-    gl.store(o_ptrs, o.to(dtype), mask=o_rows[:, None] < T)
+    gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=o_rows[:, None] < T)
     gl.store(LSE + bh.to(gl.int64) * T + rows, gl.where(empty, float("-inf"), m_i + gl.log2(l_i)), mask=rows < T)
     if STATS:
         _add_stats(STAT_COUNTS, STAT_MAX, h, rows, repeated, ones, smax, m0, T, BLOCK_M)
@@ -458,16 +467,8 @@ def _consume_items(q_smem, k_smem, v_smem, q_bar, q_free, ready_bars, empty_bars
         turn += n_tiles - 1
         it += 1
 
-        empty = m_i == float("-inf")
-        l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
-        o = acc / l_o[:, None]
-        o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = O + b * stride_ob + h * stride_oh + o_rows[:, None].to(gl.int64) * stride_ot + o_cols[None, :]
-        gl.store(o_ptrs, o.to(dtype), mask=o_rows[:, None] < T)
-        gl.store(LSE + bh.to(gl.int64) * T + rows, gl.where(empty, float("-inf"), m_i + gl.log2(l_i)), mask=rows < T)
-        if STATS:
-            _add_stats(STAT_COUNTS, STAT_MAX, h, rows, repeated, ones, smax, m0, T, ROWS)
+        _store_rows(acc, m_i, l_i, rows, m0, T, O, b * stride_ob + h * stride_oh, stride_ot, LSE, bh, STAT_COUNTS,
+                    STAT_MAX, h, repeated, ones, smax, ROWS, HEAD_DIM, STATS)
 
 
 @gluon.jit
