@@ -1,4 +1,22 @@
+import contextlib
+
 import torch
+
+
+@contextlib.contextmanager
+def no_tile_picks():
+    """The native kernels' tile picks (`tuning.TILE_PICKS`) emptied for the block and restored after it: a pick that
+    an earlier autotuned test in the same process recorded is launched in place of the autotuner or of the first
+    candidate tile, so a test that needs either sees none."""
+    from stableflash.attention.triton.tuning import TILE_PICKS
+
+    saved = TILE_PICKS.state_dict()
+    TILE_PICKS.clear()
+    try:
+        yield
+    finally:
+        TILE_PICKS.clear()
+        TILE_PICKS.load_state_dict(saved)
 
 
 def fresh_seed() -> int:

@@ -15,6 +15,7 @@ from stableflash.attention.precision import resolve  # noqa: E402
 from stableflash.attention.triton import launch, tuning  # noqa: E402
 from stableflash.attention.triton.spec import spec_name  # noqa: E402
 from stableflash.attention.triton.tuning import TILE_PICKS, TilePicks  # noqa: E402
+from tests.attention.conftest import no_tile_picks  # noqa: E402
 
 # gpu: the GPU suite's selection; under the interpreter, test_launch.py runs this file in a child without it
 pytestmark = [pytest.mark.gpu,
@@ -23,11 +24,8 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(autouse=True)
 def empty_picks():
-    saved = TILE_PICKS.state_dict()
-    TILE_PICKS.clear()
-    yield
-    TILE_PICKS.clear()
-    TILE_PICKS.load_state_dict(saved)
+    with no_tile_picks():
+        yield
 
 
 def recorded_launches(monkeypatch, head_dim=64, T=100):

@@ -4,6 +4,7 @@ Runs on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1
 sets where no GPU is present; smaller sizes).
 """
 
+import contextlib
 import functools
 import math
 import os
@@ -16,7 +17,7 @@ from stableflash.attention.precision import PRESETS, SITES, resolve
 from stableflash.attention.stats import STAT_COLUMNS
 from stableflash.attention.triton import kernel_options
 from stableflash.numerics.formats import get_format
-from tests.attention.conftest import fresh_seed, rel_err, tied_below_zero_inputs, tied_inputs
+from tests.attention.conftest import fresh_seed, no_tile_picks, rel_err, tied_below_zero_inputs, tied_inputs
 from tests.attention.variants import EMULATED_VARIANTS, NARROW_VARIANTS, emulated_variant
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -1072,11 +1073,31 @@ def test_ops_trace_without_graph_breaks(layout, precision, D):
 
 # Padding inside the kernels and by hand give the same bits at the same tiles and kernels. Autotuned, the two calls
 # are timed apart (D_IN is in the tuning key) and may pick other tiles, which sum in another order; the Gluon forward
-# takes unpadded calls only. So these comparisons launch untuned, at each kernel's first candidate tile. At D = 40
-# the inputs' strides (40, 160, ...) are not divisible by 16, which Triton's layouts follow: the launch states them
-# multiples of 8 (`STRIDE8`), so the padded kernels lay out and sum as the full head dim's
-# (research/tests/test_kernel_compile.py checks that on the compiled kernels).
-SAME_TILES = dict(autotune=False, hopper_forward=False)
+# takes unpadded calls only. So these comparisons launch untuned, at each kernel's first candidate tile, with no tile
+# picks: an earlier test in the same process may have tuned the call padded by hand (its key has no D_IN), and its
+# pick would launch for that call alone. At D = 40 the inputs' strides (40, 160, ...) are not divisible by 16, which
+# Triton's layouts follow: the launch states them multiples of 8 (`STRIDE8`), so the padded kernels lay out and sum
+# as the full head dim's (research/tests/test_kernel_compile.py checks that on the compiled kernels).
+@contextlib.contextmanager
+def _same_tiles(**options):
+    with no_tile_picks(), kernel_options(autotune=False, hopper_forward=False, **options):
+        yield
+
+
+def test_the_padded_comparisons_launch_with_no_tile_pick():
+    """A pick that an earlier test recorded for the call padded by hand (a masked test had tuned that launch in one
+    GPU run) is not launched inside `_same_tiles`, and is there again after it."""
+    from stableflash.attention.triton import options
+    from stableflash.attention.triton.tuning import NATIVE_FWD, TILE_PICKS
+
+    pick = {"key": [NATIVE_FWD.name, "either", 45, "torch.bfloat16", ["HEAD_DIM", 128], ["MASK", True]],
+            "kwargs": {"BLOCK_M": 128, "BLOCK_N": 64}, "num_warps": 8, "num_stages": 2}
+    with no_tile_picks():
+        TILE_PICKS.load_state_dict([pick])
+        with _same_tiles():
+            assert len(TILE_PICKS) == 0 and not options.current().autotune
+        assert TILE_PICKS.state_dict() == [pick]
+
 
 NARROW_HEADS = {  # head dim, kernels' width: padded to the next of `HEAD_DIMS`
     "D 8": (8, 16), "D 24": (24, 32), "D 40, GQA": (40, 64), "D 200, GQA": (200, 256),
@@ -1109,7 +1130,7 @@ def test_head_dims_between_the_kernels_run_zero_padded_and_exact(heads, stabiliz
         wide = [torch.nn.functional.pad(t, (0, width - D)) for t in (q, k, v)]
         return backend.attention(*wide, stats=padded_stats, **kw)[..., :D]
 
-    with kernel_options(**SAME_TILES):
+    with _same_tiles():
         ours = _run(lambda q, k, v: backend.attention(q, k, v, stats=stats, **kw), q, k, v, dout)
         theirs = _run(by_hand, q, k, v, dout)
     assert ours[0].transpose(1, 2).is_contiguous() and ours[1].transpose(1, 2).is_contiguous()
@@ -1166,7 +1187,7 @@ def test_a_padded_head_dim_saves_no_padded_copy(precision):
     def by_hand(q, k, v):
         return backend.attention(*(torch.nn.functional.pad(t, (0, width - D)) for t in (q, k, v)), **kw)[..., :D]
 
-    with kernel_options(**SAME_TILES):
+    with _same_tiles():
         with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
             out = backend.attention(q, k, v, **kw)
         assert D in widths and width not in widths, widths
@@ -1223,7 +1244,7 @@ def test_padding_inside_the_kernels_gives_padding_by_hands_bits_with_every_featu
         wide = [torch.nn.functional.pad(t, (0, width - D)) for t in (q, k, v)]
         return backend.attention(*wide, stats=by_hand_stats, **kw)[..., :D]
 
-    with kernel_options(**options, **SAME_TILES):
+    with _same_tiles(**options):
         ours = _run(lambda q, k, v: backend.attention(q, k, v, stats=stats, **kw), q, k, v, dout)
         theirs = _run(by_hand, q, k, v, dout)
     for name, a, b in zip(["out", "dq", "dk", "dv"], ours, theirs):
