@@ -1085,8 +1085,8 @@ def _same_tiles(**options):
 
 
 def test_the_padded_comparisons_launch_with_no_tile_pick():
-    """A pick that an earlier test recorded for the call padded by hand (a masked test had tuned that launch in one
-    GPU run) is not launched inside `_same_tiles`, and is there again after it."""
+    """A pick that an earlier test recorded for the call padded by hand (the masked tests tune that very launch at
+    Tq = 45, D = 128) is not launched inside `_same_tiles`, and is there again after it."""
     from stableflash.attention.triton import options
     from stableflash.attention.triton.tuning import NATIVE_FWD, TILE_PICKS
 
