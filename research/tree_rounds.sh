@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The attention benchmark over several trees in alternating rounds, in one GPU call: one process per arm and round,
 # the baseline named in IMPLS (say sdpa-cudnn) measured in every process, so that each arm's ratios to it and to the
-# other arms come from the same machine state. A tree is a `git archive` of a commit, patched or not, carried to
-# the machine; an arm is NAME=DIR, or NAME=DIR@VAR=VALUE to run that tree with one environment variable set.
+# other arms come from the same machine state. A tree is a `git archive` of a commit, patched or not
+# (research/make_tree.sh), carried to the machine; an arm is NAME=DIR, or NAME=DIR@VAR=VALUE to run that tree with
+# one environment variable set.
 # Each arm's JSON is OUT/attention-NAME-ROUND.json (written row by row, so a call cut short keeps what it measured);
 # research/attention_ab.py reads them in pairs.
 #   research/tree_rounds.sh OUT ROUNDS IMPLS MODES SHAPES ARM...

@@ -111,6 +111,23 @@ def test_tree_rounds_runs_each_arm_in_its_tree_round_by_round(tmp_path):
     assert missing.returncode == 2 and f"arm gone: no tree at {tmp_path / 'c'}" in missing.stderr
 
 
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="exports a commit of this checkout's git history")
+def test_make_tree_exports_a_commit_with_its_patches_applied(tmp_path):
+    patch = tmp_path / "new-file.patch"
+    patch.write_text("--- /dev/null\n+++ b/research/made.txt\n@@ -0,0 +1 @@\n+patched\n")
+    tree = tmp_path / "tree"
+    script = str(ROOT / "research" / "make_tree.sh")
+    made = subprocess.run(["bash", script, str(tree), "HEAD", str(patch)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert (tree / "research" / "made.txt").read_text() == "patched\n" and "with 1 patch" in made.stdout
+    assert (tree / "stableflash" / "__init__.py").exists() and not (tree / "results").exists()
+    again = subprocess.run(["bash", script, str(tree)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and not (tree / "research" / "made.txt").exists()  # made afresh
+    broken = subprocess.run(["bash", script, str(tree), "HEAD", str(patch), str(patch)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert broken.returncode != 0  # the second copy of the patch does not apply
+
+
 def test_backward_forms_compare_pairs_each_tile_of_two_trees(tmp_path):
     def row(kernel, tma, registers, spills):
         return {"kernel": kernel, "head_dim": 128, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3,
