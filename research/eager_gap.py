@@ -18,9 +18,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from baselines import cudnn_causal  # research/baselines.py: the script's own folder is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 from stableflash import SFA, flash_attention
@@ -32,11 +31,7 @@ def arms():
     def sfa(q, k, v):
         return flash_attention(q, k, v, backend="triton", layout="bhtd", stabilize=SFA())
 
-    def cudnn(q, k, v):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    return {"SFA": sfa, "cuDNN": cudnn}
+    return {"SFA": sfa, "cuDNN": cudnn_causal}
 
 
 def event_loop_ms(step, leaves, calls: int, flush: torch.Tensor | None) -> float:

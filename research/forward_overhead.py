@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from baselines import cudnn_causal  # research/baselines.py: the script's own folder is on sys.path
 
 from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.attention.triton import hopper, kernel_options
@@ -81,13 +80,9 @@ def arms():
                 return flash_attention(q, k, v, backend="triton", layout="bhtd", causal=True, stabilize=stabilize)
         return run
 
-    def cudnn(q, k, v):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
     return {"gluon": ours("gluon", None), "gluon-sfa": ours("gluon", SFA()),
             "persistent": ours("persistent", None), "persistent-sfa": ours("persistent", SFA()),
-            "triton": ours(None, None), "triton-sfa": ours(None, SFA()), "cudnn": cudnn}
+            "triton": ours(None, None), "triton-sfa": ours(None, SFA()), "cudnn": cudnn_causal}
 
 
 def check_persistent(cases) -> list[dict]:

@@ -16,9 +16,8 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from kernel_times import profiled  # research/kernel_times.py: the script's own folder is on sys.path
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from baselines import cudnn_causal  # research/baselines.py: the script's own folder is on sys.path
+from kernel_times import profiled  # research/kernel_times.py
 
 from stableflash import SFA, AttentionStats, flash_attention
 from stableflash.attention.triton import kernel_options
@@ -49,11 +48,7 @@ def implementations(H: int):
             return flash_attention(q, k, v, backend="triton", layout="bhtd", stabilize=SFA())
     runs["SFA, dQ by atomics"] = atomic_dq
 
-    def cudnn(q, k, v):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    return {**runs, "cuDNN": cudnn}
+    return {**runs, "cuDNN": cudnn_causal}
 
 
 def main():
