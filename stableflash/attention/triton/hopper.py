@@ -6,9 +6,7 @@ issues S_{j+1} = Q K_{j+1}ᵀ, rescales O, issues P̄_j V_j, waits for S_{j+1} a
 computes (FA3's intra-warpgroup order). K and V arrive by TMA through a ring of STAGES buffers, refilled by the
 computing warps or by a loader warp of their own (`gl.warp_specialize`). With `Tile(pingpong=True)` the 128 rows are
 two warpgroups of 64 rows, 240 registers each, that take turns to issue their matmuls through two mbarriers, so one's
-softmax runs under the other's matmuls (FA3's inter-warpgroup schedule). With `Tile(persistent=True)` the same
-schedule runs in one program per SM that walks the (head, query tile) items (`_attn_fwd_persistent`): the loader warp
-fetches an item's Q and first key tiles while the warpgroups finish the one before.
+softmax runs under the other's matmuls (FA3's inter-warpgroup schedule).
 
 Production FA2 numerics only, with or without SFA and the statistics, exactly as `native._fwd_tile` computes them
 per key tile (the `common.top2` pair reduction, `common.sfa_max`, the guarded P̄ = 1 count and `common.shift` of rows
@@ -226,6 +224,18 @@ def _add_stats(STAT_COUNTS, STAT_MAX, h, rows, repeated, ones, smax, m0, T, BLOC
 
 
 @gluon.jit
+def _key_tiles(m0, T, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The key tiles a query tile from row m0 visits, and the first column that needs a mask."""
+    if CAUSAL:
+        hi = gl.minimum(T, m0 + BLOCK_M)
+        mask_from = m0
+    else:
+        hi = T
+        mask_from = T
+    return gl.cdiv(hi, BLOCK_N), mask_from
+
+
+@gluon.jit
 def _attn_fwd(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX, q_strides, k_strides, v_strides, o_strides, H, G, T, qk_scale,
               eps_u, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, LOADER_WARP: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
@@ -318,247 +328,20 @@ def _attn_fwd(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX, q_strides, k_strides, v_st
         mbarrier.invalidate(turn_bars.index(i))
 
 
-@gluon.jit
-def _item(r, BH, n_m, CAUSAL: gl.constexpr):
-    """This program's r-th work item, as (batch·head, query tile). Items run in the heavy-first grid's order (every
-    head's heaviest causal row block, then every head's next), dealt to the programs in a zigzag: forward in even
-    rounds, backward in odd ones, so that a program that takes a heavier item in one round takes a lighter one in
-    the next. Dealt in one direction, the first program's items are the heaviest of every round: 11% slower than
-    the launched grid at T = 8192 (results/persistent-forward/)."""
-    programs = gl.num_programs(0)
-    p = gl.program_id(0)
-    w = r * programs + (p if r % 2 == 0 else programs - 1 - p)
-    rank = w // BH
-    pid_m = n_m - 1 - rank if CAUSAL else rank
-    return w % BH, pid_m
-
-
-@gluon.jit
-def _rounds(n_items):
-    """How many items `_item` deals this program: every full round's, and the last round's if its share reaches
-    this program (the first `rem` programs in an even round, the last `rem` in an odd one)."""
-    programs = gl.num_programs(0)
-    p = gl.program_id(0)
-    full = n_items // programs
-    rem = n_items % programs
-    in_last = (p < rem) if full % 2 == 0 else (p >= programs - rem)
-    return full + in_last.to(gl.int32)
-
-
-@gluon.jit
-def _key_tiles(m0, T, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """The key tiles a query tile from row m0 visits, and the first column that needs a mask."""
-    if CAUSAL:
-        hi = gl.minimum(T, m0 + BLOCK_M)
-        mask_from = m0
-    else:
-        hi = T
-        mask_from = T
-    return gl.cdiv(hi, BLOCK_N), mask_from
-
-
-@gluon.jit
-def _load_items(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, ready_bars, empty_bars, BH, H, G, T,
-                n_m, n_items, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """The persistent loader warp: for each of this program's work items, both warpgroups' Q rows once their
-    previous item has released its Q, then every key tile into the ring, which runs on across items."""
-    kt = 0
-    it = 0
-    for r in range(_rounds(n_items)):
-        bh, pid_m = _item(r, BH, n_m, CAUSAL)
-        b = bh // H
-        h = bh % H
-        m0 = pid_m * BLOCK_M
-        n_tiles, mask_from = _key_tiles(m0, T, BLOCK_M, BLOCK_N, CAUSAL)
-        for i in gl.static_range(2):
-            mbarrier.wait(q_free.index(i), (it & 1) ^ 1)
-            mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
-        for t in range(n_tiles):
-            stage = kt % STAGES
-            mbarrier.wait(empty_bars.index(stage), ((kt // STAGES) & 1) ^ 1)
-            bar = ready_bars.index(stage)
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, h // G, t * BLOCK_N, 0], bar, k_smem.index(stage))
-            tma.async_copy_global_to_shared(v_desc, [b, h // G, t * BLOCK_N, 0], bar, v_smem.index(stage))
-            kt += 1
-        it += 1
-
-
-@gluon.jit
-def _consume_items(q_smem, k_smem, v_smem, q_bar, q_free, ready_bars, empty_bars, turn_bars, O, LSE, STAT_COUNTS,
-                   STAT_MAX, stride_ob, stride_oh, stride_ot, BH, H, T, n_m, n_items, qk_scale, eps_u,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, STAB: gl.constexpr, BETA: gl.constexpr,
-                   LOW: gl.constexpr, HIGH: gl.constexpr, BOUNDED: gl.constexpr, STATS: gl.constexpr,
-                   WG: gl.constexpr):
-    """One computing warpgroup of the persistent pingpong forward: `_consume`'s schedule over each of this
-    program's work items (its ROWS of the item's query tile), with the ring's position and the turns counted
-    across items, and its Q released to the loader once the item's last S has been read."""
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _s_layout(gl.num_warps(), BLOCK_N)
-    o_layout: gl.constexpr = _o_layout(gl.num_warps(), HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q_tile = q_smem.reshape([ROWS, HEAD_DIM])
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    kt = 0  # key tiles consumed so far: the ring's position
-    turn = 0  # turns taken so far
-    it = 0
-    for r in range(_rounds(n_items)):
-        bh, pid_m = _item(r, BH, n_m, CAUSAL)
-        b = (bh // H).to(gl.int64)
-        h = (bh % H).to(gl.int64)
-        n_tiles, mask_from = _key_tiles(pid_m * BLOCK_M, T, BLOCK_M, BLOCK_N, CAUSAL)
-        m0 = pid_m * BLOCK_M + WG * ROWS
-        rows = m0 + gl.arange(0, ROWS, layout=row_layout)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
-        repeated = gl.zeros([ROWS], gl.int32, layout=row_layout)
-        ones = gl.zeros([ROWS], gl.int32, layout=row_layout)
-        smax = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-
-        mbarrier.wait(q_bar, it & 1)
-        mbarrier.wait(ready_bars.index(kt % STAGES), (kt // STAGES) & 1)
-        s = warpgroup_mma(q_tile, _kv_tile(k_smem, kt % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if n_tiles == 1:  # the item's only S is read: its Q may be replaced
-            gl.thread_barrier()
-            mbarrier.arrive(q_free)
-        p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
-            s=s, m_i=m_i, l_i=l_i, repeated=repeated, ones=ones, smax=smax, j=0, rows=rows, mask_from=mask_from,
-            T=T, qk_scale=qk_scale, eps_u=eps_u, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, S_LAYOUT=s_layout, DTYPE=dtype,
-            STAB=STAB, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED, STATS=STATS)
-        p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
-
-        for j in range(n_tiles - 1):
-            cur = kt + j
-            nxt = cur + 1
-            mbarrier.wait(ready_bars.index(nxt % STAGES), (nxt // STAGES) & 1)
-            mbarrier.wait(turn_bars.index(WG), ((turn + j) & 1) ^ (1 - WG))
-            s = warpgroup_mma(q_tile, _kv_tile(k_smem, nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(p_op, _kv_tile(v_smem, cur % STAGES), acc, is_async=True)
-            mbarrier.arrive(turn_bars.index(1 - WG))
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            p, alpha, m_i, l_i, repeated, ones, smax = _softmax_step(
-                s=s, m_i=m_i, l_i=l_i, repeated=repeated, ones=ones, smax=smax, j=j + 1, rows=rows,
-                mask_from=mask_from, T=T, qk_scale=qk_scale, eps_u=eps_u, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
-                S_LAYOUT=s_layout, DTYPE=dtype, STAB=STAB, BETA=BETA, LOW=LOW, HIGH=HIGH, BOUNDED=BOUNDED,
-                STATS=STATS)
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            gl.thread_barrier()
-            if j == n_tiles - 2:  # the item's last S is read: its Q may be replaced
-                mbarrier.arrive(q_free)
-            mbarrier.arrive(empty_bars.index(cur % STAGES))
-            p_op = gl.convert_layout(p, p_layout, assert_trivial=True)
-
-        last = kt + n_tiles - 1
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(p_op, _kv_tile(v_smem, last % STAGES), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-        gl.thread_barrier()
-        mbarrier.arrive(empty_bars.index(last % STAGES))
-        kt += n_tiles
-        turn += n_tiles - 1
-        it += 1
-
-        _store_rows(acc, m_i, l_i, rows, m0, T, O, b * stride_ob + h * stride_oh, stride_ot, LSE, bh, STAT_COUNTS,
-                    STAT_MAX, h, repeated, ones, smax, ROWS, HEAD_DIM, STATS)
-
-
-@gluon.jit
-def _kv_tile(ring, stage):
-    """Buffer `stage` of a ring filled through a 4-D (batch, head, row, column) descriptor, as the 2-D tile the
-    matmuls read."""
-    buf = ring.index(stage)
-    return buf.reshape([buf.shape[2], buf.shape[3]])
-
-
-@gluon.jit
-def _attn_fwd_persistent(Q, K, V, O, LSE, STAT_COUNTS, STAT_MAX, q_strides, k_strides, v_strides, o_strides, H, G, T,
-                         qk_scale, eps_u, BH, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         STAB: gl.constexpr, BETA: gl.constexpr, LOW: gl.constexpr, HIGH: gl.constexpr,
-                         BOUNDED: gl.constexpr, STATS: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                         KV_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
-    """The pingpong forward as a persistent kernel: a program per SM walks the (head, query tile) items in the
-    heavy-first grid's order, so that the loader warp fetches an item's Q and first key tiles while the warpgroups
-    finish the one before. Descriptors are built once per program, over the whole (B, H, T, D) tensors."""
-    stride_qb, stride_qh, stride_qt = q_strides
-    stride_kb, stride_kh, stride_kt = k_strides
-    stride_vb, stride_vh, stride_vt = v_strides
-    stride_ob, stride_oh, stride_ot = o_strides
-    gl.static_assert(STAGES >= 3, "a buffer is refilled once its P̄V completes: three keep each load a tile ahead")
-    gl.static_assert(num_warps == 4 and BLOCK_M == 128, "two warpgroups of 64 rows and a loader warp")
-    ROWS: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = Q.dtype.element_ty
-    B = BH // H
-    n_m = gl.cdiv(T, BLOCK_M)
-    n_items = BH * n_m
-    q_desc = tma.make_tensor_descriptor(Q, [B, H, T, HEAD_DIM], [stride_qb, stride_qh, stride_qt, 1],
-                                        [1, 1, ROWS, HEAD_DIM], Q_LAYOUT)
-    k_desc = tma.make_tensor_descriptor(K, [B, H // G, T, HEAD_DIM], [stride_kb, stride_kh, stride_kt, 1],
-                                        [1, 1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_desc = tma.make_tensor_descriptor(V, [B, H // G, T, HEAD_DIM], [stride_vb, stride_vh, stride_vt, 1],
-                                        [1, 1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_DIM], Q_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(q_free.index(i), count=1)
-        mbarrier.init(turn_bars.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=2)  # each warpgroup releases each buffer
-
-    gl.warp_specialize([
-        (_consume_items, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), q_free.index(0), ready_bars, empty_bars,
-                          turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, stride_ob, stride_oh, stride_ot, BH, H, T, n_m,
-                          n_items, qk_scale, eps_u, HEAD_DIM, BLOCK_M, ROWS, BLOCK_N, STAGES, CAUSAL, STAB, BETA, LOW,
-                          HIGH, BOUNDED, STATS, 0)),
-        (_consume_items, (q_smem.index(1), k_smem, v_smem, q_bars.index(1), q_free.index(1), ready_bars, empty_bars,
-                          turn_bars, O, LSE, STAT_COUNTS, STAT_MAX, stride_ob, stride_oh, stride_ot, BH, H, T, n_m,
-                          n_items, qk_scale, eps_u, HEAD_DIM, BLOCK_M, ROWS, BLOCK_N, STAGES, CAUSAL, STAB, BETA, LOW,
-                          HIGH, BOUNDED, STATS, 1)),
-        (_load_items, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, ready_bars, empty_bars, BH, H,
-                       G, T, n_m, n_items, BLOCK_M, ROWS, BLOCK_N, STAGES, CAUSAL))],
-        [4, 1], [PINGPONG_REGS, 24])
-    for i in gl.static_range(2):
-        mbarrier.invalidate(q_bars.index(i))
-        mbarrier.invalidate(q_free.index(i))
-        mbarrier.invalidate(turn_bars.index(i))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready_bars.index(i))
-        mbarrier.invalidate(empty_bars.index(i))
-
-
 class Tile(NamedTuple):
     """One launch shape: query rows and keys per tile, K/V ring buffers, warps (a warpgroup per 64 rows), whether
-    the grid runs each head's heaviest causal row block first, pingpong (128 rows on two warpgroups of their
-    own taking turns, `warps` 4: the kernel's, plus a worker warpgroup and the loader warp), and persistent (the
-    pingpong schedule in a program per SM that walks the heavy-first order: `_attn_fwd_persistent`)."""
+    the grid runs each head's heaviest causal row block first, and pingpong (128 rows on two warpgroups of their
+    own taking turns, `warps` 4: the kernel's, plus a worker warpgroup and the loader warp)."""
     block_m: int = 128
     block_n: int = 128
     stages: int = 3
     warps: int = 8
     heavy_first: bool = False
     pingpong: bool = False
-    persistent: bool = False
 
     def __str__(self):
         return (f"{self.block_m}x{self.block_n}/{self.stages}st/{self.warps}w{'/heavy' if self.heavy_first else ''}"
-                f"{'/pingpong' if self.pingpong else ''}{'/persistent' if self.persistent else ''}")
+                f"{'/pingpong' if self.pingpong else ''}")
 
 
 class Choice(NamedTuple):
@@ -577,18 +360,11 @@ FORWARD_TILES: dict[tuple[int, bool], Choice | None] = {
 }
 
 
-def layouts(head_dim: int, dtype: torch.dtype, block_m: int, block_n: int, rank: int = 2):
-    """Shared-memory layouts of the Q tile and of the K/V tiles (the wgmma operands' swizzle); at rank 4, of the
-    same tiles as (1, 1, rows, head dim) boxes of a (B, H, T, D) descriptor."""
+def layouts(head_dim: int, dtype: torch.dtype, block_m: int, block_n: int):
+    """Shared-memory layouts of the Q tile and of the K/V tiles (the wgmma operands' swizzle)."""
     gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    lead = [1] * (rank - 2)
-    return (gl.NVMMASharedLayout.get_default_for([*lead, block_m, head_dim], gdtype),
-            gl.NVMMASharedLayout.get_default_for([*lead, block_n, head_dim], gdtype))
-
-
-def kernel(tile: Tile):
-    """The Gluon kernel that runs `tile`."""
-    return _attn_fwd_persistent if tile.persistent else _attn_fwd
+    return (gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdtype),
+            gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype))
 
 
 def constants(head_dim: int, dtype: torch.dtype, causal: bool, tile: Tile, *, stab: int, beta: float, low: float,
@@ -597,23 +373,15 @@ def constants(head_dim: int, dtype: torch.dtype, causal: bool, tile: Tile, *, st
     SFA's as `spec.KernelSpec` holds them (`stab` 0 plain, 1 SFA)."""
     if stab not in (0, 1):
         raise ValueError(f"stab: the Hopper forward does plain (0) or SFA (1) softmax, got {stab}")
-    if tile.persistent and not (tile.pingpong and tile.heavy_first):
-        raise ValueError(f"tile: a persistent tile is a heavy-first pingpong one, got {tile}")
     rows = tile.block_m // 2 if tile.pingpong else tile.block_m  # per computing warpgroup pair or group
-    q_layout, kv_layout = layouts(head_dim, dtype, rows, tile.block_n, rank=4 if tile.persistent else 2)
-    softmax = dict(HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.stages, CAUSAL=causal,
-                   STAB=stab, BETA=beta, LOW=low, HIGH=high, BOUNDED=bounded, STATS=stats, Q_LAYOUT=q_layout,
-                   KV_LAYOUT=kv_layout)
-    if tile.persistent:
-        return softmax
-    return dict(softmax, LOADER_WARP=loader_warp or tile.pingpong, HEAVY_FIRST=tile.heavy_first,
-                PINGPONG=tile.pingpong)
+    q_layout, kv_layout = layouts(head_dim, dtype, rows, tile.block_n)
+    return dict(HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.stages, CAUSAL=causal,
+                LOADER_WARP=loader_warp or tile.pingpong, STAB=stab, BETA=beta, LOW=low, HIGH=high, BOUNDED=bounded,
+                STATS=stats, HEAVY_FIRST=tile.heavy_first, PINGPONG=tile.pingpong, Q_LAYOUT=q_layout,
+                KV_LAYOUT=kv_layout)
 
 
-def grid(batch_heads: int, T: int, tile: Tile, sms: int = 0) -> tuple[int, ...]:
-    """(heads, query tiles) when each head's heaviest causal row block goes first, else (query tiles, heads); a
-    persistent tile's: one program per SM (`sms`), or per item where there are fewer."""
+def grid(batch_heads: int, T: int, tile: Tile) -> tuple[int, int]:
+    """(heads, query tiles) when each head's heaviest causal row block goes first, else (query tiles, heads)."""
     row_blocks = -(-T // tile.block_m)
-    if tile.persistent:
-        return (min(sms, batch_heads * row_blocks),)
     return (batch_heads, row_blocks) if tile.heavy_first else (row_blocks, batch_heads)

@@ -191,11 +191,6 @@ def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def hopper_forward_tile(spec: KernelSpec, q, k, v, stats: bool, softcap: float = 0.0):
     """The Gluon forward's tile for this call (`hopper.FORWARD_TILES`), or None for the Triton forward: on sm_90,
     production FA2 numerics, plain or SFA, with or without the statistics, no softcap, TMA-streamable rows."""
@@ -287,9 +282,8 @@ def forward(q, k, v, causal: bool, scale: float, name: str, stats: bool, stats_e
     if tile is not None:
         _allow_device_descriptors()
         constants, config = _hopper_constants(name, D, q.dtype, causal, tile, stats)
-        args = (*tensors, H, G, T, scale * spec.units, eps, *((B * H,) if tile.persistent else ()))
-        sms = _sm_count(q.device.index) if tile.persistent else 0
-        _launch(hopper.kernel(tile), lambda _: hopper.grid(B * H, T, tile, sms), args, constants, config)
+        _launch(hopper._attn_fwd, lambda _: hopper.grid(B * H, T, tile), (*tensors, H, G, T, scale * spec.units, eps),
+                constants, config)
         return out, o_saved, lse, counts, smax
 
     kernel_scale, kernel_softcap, capped = _scales(scale, softcap)
