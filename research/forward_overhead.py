@@ -17,6 +17,7 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -49,25 +50,15 @@ def fit(xs, ys) -> dict:
     return {"a_us": float(a), "b_us": float(b), "b_over_a": float(b / a), "residuals": residuals}
 
 
-SHIPPED = hopper.FORWARD_TILES
-GLUON_EVERYWHERE = {key: choice and choice._replace(min_seq_len=1) for key, choice in SHIPPED.items()}
-
-
-@contextlib.contextmanager
-def forward_table(everywhere: bool):
-    """The Gluon forward's table with every tile's shortest T set to 1 inside the block (else the shipped one), the
-    shipped one after."""
-    hopper.FORWARD_TILES = GLUON_EVERYWHERE if everywhere else SHIPPED
-    try:
-        yield
-    finally:
-        hopper.FORWARD_TILES = SHIPPED
+# the Gluon forward's table with every tile's shortest T set to 1
+GLUON_EVERYWHERE = {key: choice and choice._replace(min_seq_len=1) for key, choice in hopper.FORWARD_TILES.items()}
 
 
 def arms():
     def ours(gluon: bool, stabilize):
         def run(q, k, v):
-            with forward_table(gluon), kernel_options(hopper_forward=gluon):
+            with (mock.patch.object(hopper, "FORWARD_TILES", GLUON_EVERYWHERE) if gluon else contextlib.nullcontext(),
+                  kernel_options(hopper_forward=gluon)):
                 return flash_attention(q, k, v, backend="triton", layout="bhtd", causal=True, stabilize=stabilize)
         return run
 
